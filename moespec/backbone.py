@@ -1,0 +1,100 @@
+"""The dense timm backbone: building it, and finding its residual blocks and stages from the module tree.
+
+Discovery is generic, not a table per model name: an FFN is any module an adapter in `adapters.py`
+recognizes; its block is its deepest ancestor that is an element of an `nn.Sequential` / `nn.ModuleList`;
+blocks that sit in the same container form a stage. ViT gets one stage of `blocks.i`; ConvNeXt gets four
+stages of `stages.s.blocks.b`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .adapters import find_adapter
+from .errors import Problem, SpecError, did_you_mean
+from .spec import Backbone
+
+
+def create_backbone(backbone: Backbone, *, device: str | torch.device = "cpu", pretrained: bool = False) -> nn.Module:
+    """`timm.create_model` for the spec's backbone; `device="meta"` builds it without allocating weights."""
+    import timm
+
+    if not timm.is_model(backbone.model):
+        matches = timm.list_models(f"*{backbone.model.split('_')[0]}*")[:8] if backbone.model else []
+        near = did_you_mean(backbone.model, timm.list_models())
+        known = f"; timm models like it: {', '.join(matches)}" if matches and not near else ""
+        raise SpecError(Problem(f"unknown timm model {backbone.model!r}{near}{known}", path="backbone.model"))
+    context = torch.device(device) if str(device) == "meta" else contextlib.nullcontext()
+    try:
+        with context:
+            model = timm.create_model(backbone.model, pretrained=pretrained, **backbone.kwargs)
+    except TypeError as err:
+        raise SpecError(Problem(f"timm rejected the kwargs for {backbone.model!r}: {err}", path="backbone.kwargs")) from None
+    return model.eval()
+
+
+@dataclass(frozen=True)
+class Block:
+    """One residual block: its qualified name, its FFN sublayers (relative names), and its stage."""
+
+    index: int  # global, network order
+    path: str  # e.g. "stages.2.blocks.8"
+    stage: int
+    sublayers: tuple[str, ...]  # e.g. ("mlp",) or ("mlp_tokens", "mlp_channels")
+
+
+@dataclass(frozen=True)
+class BlockLayout:
+    """The residual blocks of a model in network order, grouped into stages."""
+
+    blocks: tuple[Block, ...]
+    stages: tuple[tuple[int, ...], ...]  # global block indices per stage
+
+    def describe(self) -> str:
+        sizes = ", ".join(str(len(s)) for s in self.stages)
+        first, last = self.blocks[0].path, self.blocks[-1].path
+        return f"{len(self.blocks)} blocks ({first} .. {last}) in {len(self.stages)} stage(s) of sizes [{sizes}]"
+
+
+def find_blocks(model: nn.Module) -> BlockLayout:
+    """Discover the residual blocks and stages of `model` (see the module docstring)."""
+    containers = {name for name, m in model.named_modules() if isinstance(m, (nn.Sequential, nn.ModuleList))}
+    block_sublayers: dict[str, list[str]] = {}
+    block_stage: dict[str, str] = {}
+    for name, module in model.named_modules():
+        if not name or find_adapter(module) is None:
+            continue
+        parts = name.split(".")
+        for cut in range(len(parts) - 1, 0, -1):  # deepest proper ancestor first
+            parent = ".".join(parts[: cut - 1])
+            if parent in containers or (cut == 1 and "" in containers):
+                block = ".".join(parts[:cut])
+                block_sublayers.setdefault(block, []).append(".".join(parts[cut:]))
+                block_stage[block] = parent
+                break
+    if not block_sublayers:
+        raise SpecError(
+            Problem(
+                "found no residual blocks with a known FFN in this model; supported FFN families: "
+                + ", ".join(_adapter_names()),
+                path="backbone.model",
+            )
+        )
+    stage_names: list[str] = []
+    blocks = []
+    for index, (path, sublayers) in enumerate(block_sublayers.items()):
+        if block_stage[path] not in stage_names:
+            stage_names.append(block_stage[path])
+        blocks.append(Block(index, path, stage_names.index(block_stage[path]), tuple(sublayers)))
+    stages = tuple(tuple(b.index for b in blocks if b.stage == s) for s in range(len(stage_names)))
+    return BlockLayout(tuple(blocks), stages)
+
+
+def _adapter_names() -> list[str]:
+    from .adapters import ADAPTERS
+
+    return [cls.__name__ for cls in ADAPTERS]

@@ -1,0 +1,104 @@
+"""The compiler: trace the timm model with torch.fx, then rewrite FFN call sites into MoE layers.
+
+    trace(model, leaves)      -> GraphModule; only the ancestors of the FFNs to replace are traced through
+    replace_ffns(gm, plan)    -> GraphModule; each planned FFN call node now calls an MoE layer that keeps
+                                 the FFN's qualified name (so `blocks.1.mlp.experts.fc1.weight`)
+
+Tracing only through the FFNs' ancestors keeps every other module a leaf that runs its own eager forward,
+so `train()` / `eval()` behaviour (dropout, drop-path, attention dropout) is never frozen into the graph.
+timm's notrace modules and functions are leaves too, and the MoE layer is a leaf: routing is never traced.
+"""
+
+from __future__ import annotations
+
+import torch
+from timm.layers import get_notrace_functions, get_notrace_modules
+from torch import fx, nn
+
+from .backbone import create_backbone
+from .build import build_moe
+from .errors import MoespecError
+from .plan import Plan, plan_for
+from .spec import Spec
+
+# Attributes of timm models that training scripts and data configs read; copied onto the GraphModule.
+TIMM_ATTRIBUTES = ("pretrained_cfg", "default_cfg", "num_classes", "num_features", "head_hidden_size",
+                   "embed_dim", "num_prefix_tokens", "global_pool", "feature_info")
+
+
+class CompileError(MoespecError):
+    """A graph pass could not apply the plan to the traced model."""
+
+
+class MoETracer(fx.Tracer):
+    """Traces through the ancestors of `targets`; every other module (and each target) is a leaf."""
+
+    def __init__(self, targets: set[str]):
+        super().__init__(autowrap_functions=tuple(f for f in get_notrace_functions() if callable(f)))
+        self.targets = targets
+        self.ancestors = {".".join(t.split(".")[:i]) for t in targets for i in range(1, len(t.split(".")))}
+        self.notrace = tuple(get_notrace_modules())
+
+    def is_leaf_module(self, module: nn.Module, qualified_name: str) -> bool:
+        if qualified_name in self.targets or isinstance(module, self.notrace):
+            return True
+        return qualified_name not in self.ancestors
+
+
+def trace(model: nn.Module, targets: set[str]) -> fx.GraphModule:
+    """Symbolically trace `model` with the FFNs at `targets` as leaf call sites."""
+    tracer = MoETracer(targets)
+    try:
+        graph = tracer.trace(model)
+    except Exception as err:  # fx raises plain TraceError / TypeError with little context
+        raise CompileError(f"torch.fx could not trace {type(model).__name__}: {err}") from err
+    gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
+    for name in TIMM_ATTRIBUTES:
+        if hasattr(model, name):
+            setattr(gm, name, getattr(model, name))
+    return gm
+
+
+def replace_ffns(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
+    """Graph pass: swap the call node of every planned FFN for a call to a freshly built MoE layer."""
+    for layer in plan.layers:
+        calls = [n for n in gm.graph.nodes if n.op == "call_module" and n.target == layer.path]
+        if not calls:
+            raise CompileError(f"replace_ffns: {layer.path} is never called in the traced forward of {plan.spec.backbone.model}")
+        dense = gm.get_submodule(layer.path)
+        with torch.device(next(dense.parameters()).device):  # build on the backbone's device (or meta)
+            moe = build_moe(layer, dense)
+        gm.delete_submodule(layer.path)
+        gm.add_submodule(layer.path, moe)
+        for call in calls:
+            with gm.graph.inserting_after(call):
+                moe_call = gm.graph.call_module(layer.path, call.args, call.kwargs)
+            call.replace_all_uses_with(moe_call)
+            gm.graph.erase_node(call)
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
+def compile_model(model: nn.Module, plan: Plan) -> fx.GraphModule:
+    """Trace `model` and apply the plan. The result shares the non-FFN modules of `model`."""
+    gm = replace_ffns(trace(model, {layer.path for layer in plan.layers}), plan)
+    gm.moespec_spec = plan.spec
+    gm.moespec_plan = plan
+    return gm.train(model.training)
+
+
+def create_model(spec: Spec, *, device: str | torch.device = "cpu") -> fx.GraphModule:
+    """The MoE model of `spec`, randomly initialized (timm's init for the backbone). Eval mode.
+
+    `device="meta"` builds it without allocating weights (for counting parameters).
+    """
+    backbone = create_backbone(spec.backbone, device=device)
+    return compile_model(backbone, plan_for(spec, backbone))
+
+
+def moe_layers(model: nn.Module) -> dict[str, nn.Module]:
+    """The MoE layers of a compiled model, by qualified name."""
+    from .layers import MoE
+
+    return {name: m for name, m in model.named_modules() if isinstance(m, MoE)}

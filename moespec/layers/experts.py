@@ -1,0 +1,177 @@
+"""A bank of E experts with one FFN family's structure, weights stacked on a leading expert axis.
+
+    fc1 -> [norm] -> act -> [norm | grn] -> dropout -> fc2 -> dropout        (plain FFN)
+    fc1 -> split (a, b) -> act(a) * b  or  a * act(b) -> [norm] -> ... -> fc2  (gated, GLU / SwiGLU)
+
+Stacked weights (`fc1.weight: [E, H, C]`) keep the bank usable by batched kernels; the per-expert loop
+takes views with `unbind(0)` once per forward, whose backward writes one stacked gradient (indexing
+`weight[e]` per expert would allocate a full-size gradient per expert).
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+GateOrder = Literal["act_first", "act_last"]  # act(a) * b (SwiGLU)  |  a * act(b) (timm GluMlp default)
+InnerNorm = Literal["none", "layernorm", "layernorm_before_act", "grn"]
+
+
+class StackedLinear(nn.Module):
+    """E independent linear maps `in_features -> out_features`: weight [E, out, in], bias [E, out]."""
+
+    def __init__(self, experts: int, in_features: int, out_features: int, bias: bool = True):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = nn.Parameter(torch.empty(experts, out_features, in_features))
+        self.bias = nn.Parameter(torch.empty(experts, out_features)) if bias else None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.trunc_normal_(self.weight, std=0.02)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
+
+    def extra_repr(self) -> str:
+        return f"experts={self.weight.shape[0]}, in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+class StackedNorm(nn.Module):
+    """Per-expert affine parameters of a norm over the hidden units: weight, bias [E, H]."""
+
+    def __init__(self, experts: int, features: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(experts, features))
+        self.bias = nn.Parameter(torch.zeros(experts, features))
+
+
+class Experts(nn.Module):
+    """E FFN experts applied to contiguous per-expert segments of routed items.
+
+    Args:
+        experts: number of experts E.
+        in_features / hidden / out_features: C -> H -> C' widths of one expert (H after gating).
+        act: the FFN's activation module (shared; activations hold no parameters).
+        gate: None for a plain FFN, else which half of fc1's 2H outputs goes through `act`.
+        inner_norm: the FFN's norm between fc1 and fc2, if any ("grn": ConvNeXt-V2's global response
+            norm, computed per image over the items of that image routed to the expert).
+        bias: whether fc1 / fc2 have biases.
+        drop: dropout after the activation and after fc2.
+    """
+
+    def __init__(
+        self,
+        experts: int,
+        in_features: int,
+        hidden: int,
+        out_features: int,
+        *,
+        act: nn.Module,
+        gate: GateOrder | None = None,
+        inner_norm: InnerNorm = "none",
+        norm_eps: float = 1e-6,
+        bias: tuple[bool, bool] = (True, True),
+        drop: tuple[float, float] = (0.0, 0.0),
+    ):
+        super().__init__()
+        self.num_experts, self.hidden = experts, hidden
+        self.gate, self.inner_norm, self.drop = gate, inner_norm, drop
+        self.fc1 = StackedLinear(experts, in_features, hidden * (2 if gate else 1), bias=bias[0])
+        self.act = act
+        self.norm = StackedNorm(experts, hidden, norm_eps) if inner_norm != "none" else None
+        self.fc2 = StackedLinear(experts, hidden, out_features, bias=bias[1])
+
+    @property
+    def in_features(self) -> int:
+        return self.fc1.in_features
+
+    @property
+    def out_features(self) -> int:
+        return self.fc2.out_features
+
+    def macs_per_item(self) -> int:
+        """Multiply-adds of one expert on one routed item (fc1 + fc2; elementwise ops are not MACs)."""
+        return self.fc1.in_features * self.fc1.out_features + self.fc2.in_features * self.fc2.out_features
+
+    def forward(self, x: torch.Tensor, counts: Sequence[int], groups: torch.Tensor | None = None) -> torch.Tensor:
+        """Run expert e on rows `x[offset_e : offset_e + counts[e]]`.
+
+        Args:
+            x: [S, C] routed items sorted by expert.
+            counts: items per expert (E ints summing to S).
+            groups: [S] image index of each row; needed only by the "grn" inner norm.
+        Returns:
+            [S, C'] expert outputs in the same order.
+        """
+        params = [self._unbind(p) for p in self._param_list()]
+        outputs = []
+        start = 0
+        for expert, count in enumerate(counts):
+            if count == 0:
+                continue
+            rows = slice(start, start + count)
+            segment_groups = groups[rows] if groups is not None else None
+            outputs.append(self._expert(x[rows], [p[expert] if p is not None else None for p in params], segment_groups))
+            start += count
+        if not outputs:
+            return x.new_zeros(0, self.out_features)
+        return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
+
+    def forward_all(self, x: torch.Tensor, groups: torch.Tensor | None = None) -> torch.Tensor:
+        """Every expert on every row, summed: the always-active shared experts. x: [T, C] -> [T, C']."""
+        params = [self._unbind(p) for p in self._param_list()]
+        out = None
+        for expert in range(self.num_experts):
+            y = self._expert(x, [p[expert] if p is not None else None for p in params], groups)
+            out = y if out is None else out + y
+        return out
+
+    def _param_list(self) -> list[torch.Tensor | None]:
+        norm = self.norm
+        return [
+            self.fc1.weight,
+            self.fc1.bias,
+            norm.weight if norm is not None else None,
+            norm.bias if norm is not None else None,
+            self.fc2.weight,
+            self.fc2.bias,
+        ]
+
+    @staticmethod
+    def _unbind(p: torch.Tensor | None) -> Sequence[torch.Tensor] | None:
+        return p.unbind(0) if p is not None else None
+
+    def _expert(self, x: torch.Tensor, params: list, groups: torch.Tensor | None) -> torch.Tensor:
+        w1, b1, norm_w, norm_b, w2, b2 = params
+        h = F.linear(x, w1, b1)
+        if self.gate is not None:
+            a, b = h.chunk(2, dim=-1)
+            h = self.act(a) * b if self.gate == "act_first" else a * self.act(b)
+        elif self.inner_norm == "layernorm_before_act":
+            h = self.act(F.layer_norm(h, (self.hidden,), norm_w, norm_b, self.norm.eps))
+        else:
+            h = self.act(h)
+        if self.inner_norm == "layernorm":
+            h = F.layer_norm(h, (self.hidden,), norm_w, norm_b, self.norm.eps)
+        elif self.inner_norm == "grn":
+            h = _global_response_norm(h, norm_w, norm_b, self.norm.eps, groups)
+        h = F.dropout(h, self.drop[0], self.training)
+        return F.dropout(F.linear(h, w2, b2), self.drop[1], self.training)
+
+
+def _global_response_norm(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float, groups: torch.Tensor | None) -> torch.Tensor:
+    """ConvNeXt-V2 GRN (Woo et al. 2023) over the rows of each image: h + weight * (h * Nx) + bias.
+
+    Gx is the L2 norm over an image's positions per channel, Nx = Gx / (mean_channels(Gx) + eps). h: [S, H].
+    """
+    if groups is None:
+        groups = h.new_zeros(h.shape[0], dtype=torch.long)
+    count = int(groups.max()) + 1 if groups.numel() else 0
+    sq = h.new_zeros(count, h.shape[1]).index_add_(0, groups, h.float().pow(2).to(h.dtype))
+    gx = sq.sqrt()
+    nx = gx / (gx.mean(dim=-1, keepdim=True) + eps)
+    return h + torch.addcmul(bias, weight, h * nx[groups])

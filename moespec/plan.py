@@ -1,0 +1,151 @@
+"""Plan before you cut: which FFN call sites become MoE layers, at which widths.
+
+`plan(spec)` builds the backbone on the meta device (no weights), discovers its blocks, resolves every
+surgery group's selector and widths, and returns a frozen `Plan`. The compiler and the upcycler only
+read the Plan; `moespec plan` prints it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from .adapters import find_adapter
+from .backbone import BlockLayout, create_backbone, find_blocks
+from .errors import Problem, SpecError
+from .selectors import SelectorError, resolve_where
+from .spec import AuxLoss, MoEGroup, Router, Spec, spec_problem
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """One FFN call site that becomes an MoE layer."""
+
+    path: str  # qualified name of the dense FFN, kept by the MoE layer (e.g. "blocks.1.mlp")
+    group: int  # index of the surgery group in spec.moe
+    block: int  # global block index
+    family: str  # FFN family (adapter name), e.g. "Mlp"
+    in_features: int
+    dense_hidden: int
+    expert_hidden: int
+    out_features: int
+    channels_dim: int  # -1: features last; 1: [B, C, H, W]
+    experts: int
+    top_k: int
+    shared_experts: int
+    router: Router
+    capacity_factor: float | None
+    aux_losses: tuple[AuxLoss, ...]
+
+    @property
+    def router_name(self) -> str:
+        router = self.router
+        return f"{router.kind}/{router.gate}" + (" norm" if router.normalize else "")
+
+    def expert_macs_per_item(self) -> int:
+        """Multiply-adds of one expert on one item: fc1 (x2 for gated FFNs) + fc2."""
+        gated = 2 if self.family in ("GluMlp", "SwiGLU") else 1
+        return self.in_features * self.expert_hidden * gated + self.expert_hidden * self.out_features
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What the compiler will change in the backbone, in network order."""
+
+    spec: Spec
+    layout: BlockLayout
+    layers: tuple[LayerPlan, ...]
+    input_size: tuple[int, int, int]
+
+    def layer(self, path: str) -> LayerPlan:
+        return next(layer for layer in self.layers if layer.path == path)
+
+    def __str__(self) -> str:
+        header = f"{self.spec.name}: {self.spec.backbone.model}, input {list(self.input_size)}, {self.layout.describe()}"
+        if not self.layers:
+            return header + "\n(no MoE layers: the dense backbone)"
+        rows = [("module", "family", "in", "dense hidden", "expert hidden", "experts", "k", "shared", "router")]
+        for layer in self.layers:
+            rows.append((layer.path, layer.family, str(layer.in_features), str(layer.dense_hidden), str(layer.expert_hidden),
+                         str(layer.experts), str(layer.top_k), str(layer.shared_experts), layer.router_name))
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+        return "\n".join([header, *lines])
+
+
+def plan(spec: Spec) -> Plan:
+    """The Plan of `spec`, checked against its timm backbone built on the meta device. Pure: no weights."""
+    return plan_for(spec, create_backbone(spec.backbone, device="meta"))
+
+
+def plan_for(spec: Spec, model: nn.Module) -> Plan:
+    """The Plan of `spec` for an already built dense `model` (any device)."""
+    layout = find_blocks(model)
+    modules = dict(model.named_modules())
+    problems: list[Problem] = []
+    layers: dict[str, LayerPlan] = {}
+    for index, group in enumerate(spec.moe):
+        try:
+            picked = resolve_where(group.where, layout)
+        except SelectorError as err:
+            problems.append(spec_problem(spec, f"moe.{index}.where", str(err)))
+            continue
+        for block_index in picked:
+            block = layout.blocks[block_index]
+            if group.sublayer not in block.sublayers:
+                problems.append(spec_problem(
+                    spec, f"moe.{index}.sublayer",
+                    f"block {block.path} has no FFN sublayer {group.sublayer!r}; it has: {', '.join(block.sublayers)}"))
+                break
+            path = f"{block.path}.{group.sublayer}"
+            if path in layers:
+                problems.append(spec_problem(
+                    spec, f"moe.{index}.where",
+                    f"{path} is already an MoE layer from moe.{layers[path].group}; each FFN can be replaced once"))
+                continue
+            layer = _layer_plan(spec, index, group, block_index, path, modules[path], problems)
+            if layer is not None:
+                layers[path] = layer
+    if problems:
+        raise SpecError(problems)
+    ordered = tuple(sorted(layers.values(), key=lambda layer: list(modules).index(layer.path)))
+    return Plan(spec, layout, ordered, _input_size(spec, model))
+
+
+def _layer_plan(spec: Spec, index: int, group: MoEGroup, block: int, path: str, ffn: nn.Module,
+                problems: list[Problem]) -> LayerPlan | None:
+    shape = find_adapter(ffn).shape(ffn)
+    hidden = shape.hidden
+    if group.expert_hidden is not None:
+        hidden = group.expert_hidden
+    elif group.expert_mlp_ratio is not None:
+        exact = group.expert_mlp_ratio * shape.in_features
+        hidden = round(exact)
+        if abs(exact - hidden) > 1e-6 or hidden < 1:
+            problems.append(spec_problem(
+                spec, f"moe.{index}.expert_mlp_ratio",
+                f"{group.expert_mlp_ratio} x {shape.in_features} (the input width of {path}) = {exact:g} is not a "
+                f"whole number of hidden units; use expert_hidden instead"))
+            return None
+    return LayerPlan(
+        path=path, group=index, block=block, family=shape.family,
+        in_features=shape.in_features, dense_hidden=shape.hidden, expert_hidden=hidden,
+        out_features=shape.out_features, channels_dim=shape.channels_dim,
+        experts=group.experts, top_k=group.top_k, shared_experts=group.shared_experts,
+        router=group.router, capacity_factor=group.capacity_factor, aux_losses=tuple(group.aux_losses),
+    )
+
+
+def _input_size(spec: Spec, model: nn.Module) -> tuple[int, int, int]:
+    """The spec's input_size, else the backbone's pretrained_cfg input size adjusted by img_size / in_chans."""
+    if spec.input_size is not None:
+        return spec.input_size
+    cfg = getattr(model, "pretrained_cfg", None) or {}
+    channels, height, width = cfg.get("input_size", (3, 224, 224))
+    kwargs = spec.backbone.kwargs
+    channels = kwargs.get("in_chans", channels)
+    if "img_size" in kwargs:
+        size = kwargs["img_size"]
+        height, width = (size, size) if isinstance(size, int) else tuple(size)
+    return (int(channels), int(height), int(width))

@@ -1,0 +1,260 @@
+"""The spec: one frozen pydantic model per YAML mapping, and `load_spec` with file:line errors.
+
+    name: vit-s16-moe8-every2-top2
+    backbone: {model: vit_small_patch16_224, kwargs: {num_classes: 1000}}
+    input_size: [3, 224, 224]
+    moe:
+      - where: {every: 2}
+        experts: 8
+        top_k: 2
+    upcycle: {router_init: normal, noise: 0.0, split: slice}
+
+The README's "Spec language" section documents every field; the models below are the single source of
+truth for names, types and defaults.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, Literal, Optional, Union, get_args, get_origin
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from .errors import Problem, SpecError, did_you_mean
+from .selectors import Where
+from .yaml_positions import Positions, load_yaml
+
+PositiveInt = Annotated[int, Field(gt=0)]
+NonNegativeInt = Annotated[int, Field(ge=0)]
+PositiveFloat = Annotated[float, Field(gt=0)]
+NonNegativeFloat = Annotated[float, Field(ge=0)]
+
+
+class SpecModel(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Backbone(SpecModel):
+    """The dense timm model the surgery starts from."""
+
+    model: Annotated[str, Field(min_length=1)]
+    """Any timm model name, e.g. `vit_small_patch16_224`."""
+    kwargs: dict[str, Any] = {}
+    """Forwarded to `timm.create_model` (img_size, depth, embed_dim, num_classes, ...)."""
+    checkpoint: Optional[str] = None
+    """Local dense checkpoint (.safetensors/.pth/.bin) to upcycle from; relative paths are relative to the
+    spec file."""
+    pretrained: bool = False
+    """Upcycle from timm's pretrained weights (needs a network)."""
+
+    @field_validator("kwargs")
+    @classmethod
+    def _no_reserved_kwargs(cls, kwargs: dict[str, Any]) -> dict[str, Any]:
+        reserved = {"pretrained", "checkpoint_path", "model_name"} & set(kwargs)
+        if reserved:
+            raise ValueError(
+                f"{sorted(reserved)} cannot be passed through kwargs; use backbone.pretrained / "
+                f"backbone.checkpoint instead"
+            )
+        return kwargs
+
+
+class TopKRouter(SpecModel):
+    """Token choice: every routed item picks its `top_k` experts (Shazeer et al. 2017)."""
+
+    kind: Literal["topk"] = "topk"
+    gate: Literal["linear"] = "linear"
+    """How router logits are computed from an item: `linear` is `W_g x` (a 1x1 conv on feature maps)."""
+    normalize: bool = False
+    """Renormalize the k selected gate values to sum to 1 (makes an upcycled model exactly dense)."""
+
+
+Router = Annotated[Union[TopKRouter], Field(discriminator="kind")]
+
+
+class AuxLoss(SpecModel):
+    """A load-balancing loss of the layer's last forward, added by `moespec.aux_loss(model)`."""
+
+    kind: Literal["importance_load", "switch"] = "importance_load"
+    weight: NonNegativeFloat = 0.01
+
+
+class MoEGroup(SpecModel):
+    """One surgery group: the FFN `sublayer` of each block picked by `where` becomes an MoE layer."""
+
+    where: Where
+    sublayer: Annotated[str, Field(min_length=1)] = "mlp"
+    experts: PositiveInt
+    top_k: PositiveInt = 1
+    expert_hidden: Optional[PositiveInt] = None
+    """Hidden width of each expert; default: the dense FFN's hidden width."""
+    expert_mlp_ratio: Optional[PositiveFloat] = None
+    """Hidden width as a multiple of the FFN's input width (alternative to `expert_hidden`)."""
+    shared_experts: NonNegativeInt = 0
+    """Always-active experts whose output is added to the routed output (ViMoE)."""
+    router: Router = TopKRouter()
+    capacity_factor: Optional[PositiveFloat] = None
+    """Each expert takes at most ceil(capacity_factor * top_k * T / experts) of T items; null = dropless."""
+    aux_loss: Union[AuxLoss, list[AuxLoss]] = AuxLoss()
+
+    @model_validator(mode="after")
+    def _cross_field_checks(self) -> "MoEGroup":
+        if self.top_k > self.experts:
+            raise ValueError(f"top_k ({self.top_k}) must be between 1 and experts ({self.experts})")
+        if self.expert_hidden is not None and self.expert_mlp_ratio is not None:
+            raise ValueError("give expert_hidden or expert_mlp_ratio, not both")
+        return self
+
+    @property
+    def aux_losses(self) -> list[AuxLoss]:
+        return self.aux_loss if isinstance(self.aux_loss, list) else [self.aux_loss]
+
+
+class Upcycle(SpecModel):
+    """How experts and routers start when a dense model is upcycled (Komatsuzaki et al. 2023)."""
+
+    router_init: Literal["normal", "zeros"] = "normal"
+    """`normal`: N(0, 0.02^2); `zeros`: all gates equal at the start."""
+    noise: NonNegativeFloat = 0.0
+    """Std of Gaussian noise added to each expert's copied weights, relative to each tensor's std."""
+    split: Literal["slice", "partition"] = "slice"
+    """For experts narrower than the dense FFN: `slice` gives every expert the leading hidden units,
+    `partition` gives expert i its own block of units."""
+
+
+class Spec(SpecModel):
+    """A whole MoE model: a timm backbone and the surgery applied to it."""
+
+    name: Optional[Annotated[str, Field(min_length=1)]] = None
+    """Defaults to the spec file's stem."""
+    backbone: Backbone
+    input_size: Optional[tuple[PositiveInt, PositiveInt, PositiveInt]] = None
+    """(channels, height, width); default: the backbone's pretrained_cfg input_size."""
+    moe: list[MoEGroup] = []
+    upcycle: Upcycle = Upcycle()
+    source: Optional[str] = Field(default=None, exclude=True, repr=False)
+    """The file this spec was loaded from (not part of the YAML)."""
+
+    def to_yaml(self) -> str:
+        """The spec as YAML, with every default written out. `load_spec` reads it back to an equal Spec."""
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+    def resolve_path(self, path: str | Path) -> Path:
+        """A path from the spec, relative to the spec file's folder."""
+        path = Path(path).expanduser()
+        if path.is_absolute() or self.source is None:
+            return path
+        return Path(self.source).parent / path
+
+
+def load_spec(source: str | Path | dict, *, text: str | None = None) -> Spec:
+    """Load and validate a spec from a YAML file (or a dict, or YAML `text` with `source` as its name).
+
+    Every problem is reported at once, as `file:line:col: field.path: message`, in a `SpecError`.
+    """
+    if isinstance(source, dict):
+        return _validate(source, Positions(), file=None)
+    file = str(source)
+    if text is None:
+        path = Path(source)
+        if not path.is_file():
+            raise SpecError(Problem(f"no such spec file{'' if not path.is_dir() else ' (it is a folder)'}", file=file))
+        text = path.read_text(encoding="utf-8")
+    data, positions = load_yaml(text, file)
+    if not isinstance(data, dict):
+        found = "an empty file" if data is None else f"a {type(data).__name__}"
+        raise SpecError(Problem(f"a spec is a YAML mapping with at least 'backbone', but this is {found}", file=file, line=1, column=1))
+    data.setdefault("name", Path(file).stem)
+    return _validate(data, positions, file=file)
+
+
+def _validate(data: dict, positions: Positions, file: str | None) -> Spec:
+    try:
+        spec = Spec.model_validate(data)
+    except ValidationError as err:
+        raise SpecError([_problem(e, data, positions, file) for e in err.errors()]) from None
+    return spec.model_copy(update={"source": file}) if file else spec
+
+
+def _problem(error: dict, data: Any, positions: Positions, file: str | None) -> Problem:
+    """Turn one pydantic error into a Problem at the YAML node it is about.
+
+    Pydantic's `loc` also names union members (`topk`, `every`, `list[...]`); those are not keys of the
+    document, so we keep only the parts that walk the data.
+    """
+    path: list[Any] = []
+    node = data
+    for part in error["loc"]:
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, dict) and str(part) in {str(k) for k in node}:
+            key = next(k for k in node if str(k) == str(part))
+            node, part = node[key], key
+        elif isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node):
+            node = node[part]
+        elif error["type"] in ("extra_forbidden", "missing") and part == error["loc"][-1]:
+            pass  # the key itself: unknown, or absent
+        else:
+            continue
+        path.append(part)
+    message = _message(error, path)
+    line, column = positions.find(path)
+    return Problem(message, path=".".join(str(p) for p in path), file=file, line=line, column=column)
+
+
+def _message(error: dict, path: list[Any]) -> str:
+    kind, msg = error["type"], error["msg"]
+    if kind == "extra_forbidden":
+        allowed = _allowed_keys(Spec, path[:-1])
+        hint = did_you_mean(path[-1], allowed) if allowed else ""
+        return f"unknown key {path[-1]!r}; allowed: {', '.join(allowed)}{hint}"
+    if kind == "missing":
+        return "this field is required"
+    if kind == "value_error":
+        return msg.removeprefix("Value error, ")
+    if kind == "model_type":
+        return "expected a mapping (key: value)"
+    return msg[0].lower() + msg[1:] if msg else kind
+
+
+def _leaf_types(annotation: Any) -> list[Any]:
+    """Unwrap Annotated / Optional / Union into the types a value may have."""
+    origin = get_origin(annotation)
+    if origin is Annotated:
+        return _leaf_types(get_args(annotation)[0])
+    if origin is Union:
+        return [t for arg in get_args(annotation) for t in _leaf_types(arg)]
+    return [annotation]
+
+
+def _allowed_keys(model: type[BaseModel], path: list[Any]) -> list[str]:
+    """The keys a mapping at `path` of the document may have, found by walking the spec's types."""
+    candidates: list[Any] = [model]
+    for part in path:
+        following = []
+        for t in (leaf for c in candidates for leaf in _leaf_types(c)):
+            if isinstance(t, type) and issubclass(t, BaseModel) and str(part) in t.model_fields:
+                following.append(t.model_fields[str(part)].annotation)
+            elif get_origin(t) is list and isinstance(part, int):
+                following.append(get_args(t)[0])
+            elif get_origin(t) is dict:
+                following.append(get_args(t)[1])
+        candidates = following
+    keys: list[str] = []
+    for t in (leaf for c in candidates for leaf in _leaf_types(c)):
+        if isinstance(t, type) and issubclass(t, BaseModel):
+            keys += [k for k, f in t.model_fields.items() if not f.exclude and k not in keys]
+    return keys
+
+
+def spec_problem(spec: Spec, path: str, message: str) -> Problem:
+    """A Problem about field `path` (dotted) of a validated spec, located in its file when it has one."""
+    line = column = None
+    if spec.source and Path(spec.source).is_file():
+        try:
+            _, positions = load_yaml(Path(spec.source).read_text(encoding="utf-8"), spec.source)
+            line, column = positions.find(path.split("."))
+        except SpecError:
+            pass
+    return Problem(message, path=path, file=spec.source, line=line, column=column)

@@ -1,0 +1,78 @@
+"""YAML loading that remembers where every value came from, so errors can say `file:line:col`.
+
+PyYAML's `safe_load` forgets positions and silently keeps the last of two duplicate keys; we compose the
+node tree once, build the data from it, and record the start mark of every key and value.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import yaml
+
+from .errors import Problem, SpecError
+
+
+class Positions:
+    """Maps a path of keys and list indices to the (line, column) of its YAML node, both 1-based."""
+
+    def __init__(self) -> None:
+        self._marks: dict[tuple[str, ...], tuple[int, int]] = {}
+
+    def add(self, path: tuple[str, ...], mark: yaml.Mark) -> None:
+        """Record the first position seen for `path` (a key's position wins over its value's)."""
+        self._marks.setdefault(path, (mark.line + 1, mark.column + 1))
+
+    def find(self, path: list[Any]) -> tuple[int | None, int | None]:
+        """The position of `path`, or of its closest ancestor that has one."""
+        key = tuple(str(p) for p in path)
+        while key not in self._marks and key:
+            key = key[:-1]
+        return self._marks.get(key, (None, None))
+
+
+def load_yaml(text: str, file: str) -> tuple[Any, Positions]:
+    """Parse one YAML document; YAML errors, tabs and duplicate keys become a `SpecError` with a position."""
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        data = loader.construct_document(node) if node is not None else None
+    except yaml.MarkedYAMLError as err:
+        mark = err.problem_mark or err.context_mark
+        message = f"invalid YAML: {err.problem or err.context}"
+        if "\t" in text and "tab" in str(err).lower():
+            message += "; indent with spaces, YAML does not allow tabs"
+        raise SpecError(Problem(message, file=file, line=mark.line + 1 if mark else None, column=mark.column + 1 if mark else None)) from None
+    except yaml.YAMLError as err:
+        raise SpecError(Problem(f"invalid YAML: {err}", file=file)) from None
+    finally:
+        loader.dispose()
+    positions = Positions()
+    if node is not None:
+        _record(node, (), positions, loader, file)
+    return data, positions
+
+
+def _record(node: yaml.Node, path: tuple[str, ...], positions: Positions, loader: yaml.SafeLoader, file: str) -> None:
+    positions.add(path, node.start_mark)
+    if isinstance(node, yaml.MappingNode):
+        seen: dict[str, yaml.Mark] = {}
+        for key_node, value_node in node.value:
+            key = str(loader.construct_object(key_node)) if isinstance(key_node, yaml.ScalarNode) else key_node.value
+            if key in seen:
+                first = seen[key]
+                raise SpecError(
+                    Problem(
+                        f"duplicate key {key!r} (first given at line {first.line + 1}); give each key once",
+                        path=".".join(path + (key,)),
+                        file=file,
+                        line=key_node.start_mark.line + 1,
+                        column=key_node.start_mark.column + 1,
+                    )
+                )
+            seen[key] = key_node.start_mark
+            positions.add(path + (key,), key_node.start_mark)
+            _record(value_node, path + (key,), positions, loader, file)
+    elif isinstance(node, yaml.SequenceNode):
+        for index, item in enumerate(node.value):
+            _record(item, path + (str(index),), positions, loader, file)
