@@ -5,9 +5,16 @@
 
 __version__ = "0.1.0"
 
-from .compile import create_model
+from .checkpoint import load, save
+from .compile import create_model, moe_layers
 from .errors import CheckpointError, MoespecError, SpecError
+from .layers.moe import aux_loss
 from .plan import Plan, plan
 from .spec import Spec, load_spec
+from .stats import stats
+from .upcycle import upcycle
 
-__all__ = ["CheckpointError", "MoespecError", "Plan", "Spec", "SpecError", "create_model", "load_spec", "plan"]
+__all__ = [
+    "CheckpointError", "MoespecError", "Plan", "Spec", "SpecError", "aux_loss", "create_model", "load",
+    "load_spec", "moe_layers", "plan", "save", "stats", "upcycle",
+]

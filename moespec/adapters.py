@@ -71,6 +71,11 @@ def find_adapter(module: nn.Module) -> Adapter | None:
     return None
 
 
+def adapter_named(family: str) -> Adapter:
+    """The adapter whose `family` is `family` (as recorded in a LayerPlan)."""
+    return next(adapter for adapter in ADAPTERS.values() if adapter.family == family)
+
+
 @register_adapter(Mlp)
 class MlpAdapter(Adapter):
     """timm `Mlp`: fc1 -> act -> drop -> norm -> fc2 -> drop (Linear, or 1x1 Conv2d with use_conv)."""
@@ -232,4 +237,4 @@ def _inner_norm(norm: nn.Module, as_kind: str, family: str) -> str:
     )
 
 
-__all__ = ["ADAPTERS", "Adapter", "FFNShape", "find_adapter", "register_adapter"]
+__all__ = ["ADAPTERS", "Adapter", "FFNShape", "adapter_named", "find_adapter", "register_adapter"]

@@ -16,11 +16,21 @@ from torch import nn
 
 from .adapters import find_adapter
 from .errors import Problem, SpecError, did_you_mean
-from .spec import Backbone
+from .spec import Backbone, Spec, located
 
 
-def create_backbone(backbone: Backbone, *, device: str | torch.device = "cpu", pretrained: bool = False) -> nn.Module:
-    """`timm.create_model` for the spec's backbone; `device="meta"` builds it without allocating weights."""
+def create_backbone(spec: Spec, *, device: str | torch.device = "cpu", pretrained: bool = False) -> nn.Module:
+    """`timm.create_model` for the spec's backbone; `device="meta"` builds it without allocating weights.
+
+    Errors name the spec file and line of `backbone.model` / `backbone.kwargs`.
+    """
+    try:
+        return _create(spec.backbone, device, pretrained)
+    except SpecError as error:
+        raise located(spec, error) from None
+
+
+def _create(backbone: Backbone, device: str | torch.device, pretrained: bool) -> nn.Module:
     import timm
 
     if not timm.is_model(backbone.model):

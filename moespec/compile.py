@@ -93,7 +93,7 @@ def create_model(spec: Spec, *, device: str | torch.device = "cpu") -> fx.GraphM
 
     `device="meta"` builds it without allocating weights (for counting parameters).
     """
-    backbone = create_backbone(spec.backbone, device=device)
+    backbone = create_backbone(spec, device=device)
     return compile_model(backbone, plan_for(spec, backbone))
 
 

@@ -15,7 +15,7 @@ from .adapters import find_adapter
 from .backbone import BlockLayout, create_backbone, find_blocks
 from .errors import Problem, SpecError
 from .selectors import SelectorError, resolve_where
-from .spec import AuxLoss, MoEGroup, Router, Spec, spec_problem
+from .spec import AuxLoss, MoEGroup, Router, Spec, located, spec_problem
 
 
 @dataclass(frozen=True)
@@ -61,22 +61,29 @@ class Plan:
     def layer(self, path: str) -> LayerPlan:
         return next(layer for layer in self.layers if layer.path == path)
 
+    COLUMNS = ("module", "family", "in", "dense hidden", "expert hidden", "experts", "k", "shared", "router")
+
+    def rows(self) -> list[tuple[str, ...]]:
+        """One row of strings per MoE layer, in the order of `COLUMNS`."""
+        return [(layer.path, layer.family, str(layer.in_features), str(layer.dense_hidden), str(layer.expert_hidden),
+                 str(layer.experts), str(layer.top_k), str(layer.shared_experts), layer.router_name)
+                for layer in self.layers]
+
+    def summary(self) -> str:
+        return f"{self.spec.name}: {self.spec.backbone.model}, input {list(self.input_size)}, {self.layout.describe()}"
+
     def __str__(self) -> str:
-        header = f"{self.spec.name}: {self.spec.backbone.model}, input {list(self.input_size)}, {self.layout.describe()}"
         if not self.layers:
-            return header + "\n(no MoE layers: the dense backbone)"
-        rows = [("module", "family", "in", "dense hidden", "expert hidden", "experts", "k", "shared", "router")]
-        for layer in self.layers:
-            rows.append((layer.path, layer.family, str(layer.in_features), str(layer.dense_hidden), str(layer.expert_hidden),
-                         str(layer.experts), str(layer.top_k), str(layer.shared_experts), layer.router_name))
-        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+            return self.summary() + "\n(no MoE layers: the dense backbone)"
+        rows = [self.COLUMNS, *self.rows()]
+        widths = [max(len(row[i]) for row in rows) for i in range(len(self.COLUMNS))]
         lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
-        return "\n".join([header, *lines])
+        return "\n".join([self.summary(), *lines])
 
 
 def plan(spec: Spec) -> Plan:
     """The Plan of `spec`, checked against its timm backbone built on the meta device. Pure: no weights."""
-    return plan_for(spec, create_backbone(spec.backbone, device="meta"))
+    return plan_for(spec, create_backbone(spec, device="meta"))
 
 
 def plan_for(spec: Spec, model: nn.Module) -> Plan:

@@ -258,3 +258,8 @@ def spec_problem(spec: Spec, path: str, message: str) -> Problem:
         except SpecError:
             pass
     return Problem(message, path=path, file=spec.source, line=line, column=column)
+
+
+def located(spec: Spec, error: SpecError) -> SpecError:
+    """`error` with its unlocated problems placed in `spec`'s file (by their field path)."""
+    return SpecError([spec_problem(spec, p.path, p.message) if p.file is None else p for p in error.problems])

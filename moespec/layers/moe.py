@@ -102,6 +102,23 @@ class MoE(nn.Module):
         outputs = outputs * routing.weights.reshape(-1, 1)[order]
         return items.new_zeros(items.shape[0], outputs.shape[-1]).index_add_(0, item_of, outputs)
 
+    def weighted_aux_loss(self) -> torch.Tensor | None:
+        """Sum of weight * aux loss of the last forward (None before the first forward)."""
+        if not self.aux_losses or not self.aux_loss_weights:
+            return None
+        return sum(weight * self.aux_losses[kind] for kind, weight in self.aux_loss_weights.items())
+
     def extra_repr(self) -> str:
         capacity = "dropless" if self.capacity_factor is None else f"capacity_factor={self.capacity_factor}"
         return f"experts={self.num_experts}, top_k={self.top_k}, channels_dim={self.channels_dim}, {capacity}"
+
+
+def aux_loss(model: nn.Module) -> torch.Tensor:
+    """The load-balancing loss of the last forward: sum over MoE layers of weight * loss (0 if none ran).
+
+    Add it to the task loss: `loss = task_loss + moespec.aux_loss(model)`.
+    """
+    losses = [loss for m in model.modules() if isinstance(m, MoE) and (loss := m.weighted_aux_loss()) is not None]
+    if not losses:
+        return torch.zeros(())
+    return torch.stack(losses).sum()
