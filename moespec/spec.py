@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Optional, Union, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, field_validator, model_validator
 
 from .errors import Problem, SpecError, did_you_mean
 from .selectors import Where
@@ -70,7 +70,19 @@ class TopKRouter(SpecModel):
     """Renormalize the k selected gate values to sum to 1 (makes an upcycled model exactly dense)."""
 
 
-Router = Annotated[Union[TopKRouter], Field(discriminator="kind")]
+ROUTER_SPECS = {"topk": TopKRouter}
+"""Router kind -> its spec model; `layers.routers.ROUTERS` holds the matching modules."""
+
+
+def _router_kind(value: Any) -> str | None:
+    """The router's `kind`; a mapping without one is a `topk` router."""
+    return value.get("kind", "topk") if isinstance(value, dict) else getattr(value, "kind", None)
+
+
+Router = Annotated[
+    Union[tuple(Annotated[cls, Tag(kind)] for kind, cls in ROUTER_SPECS.items())],  # type: ignore[misc]
+    Discriminator(_router_kind),
+]
 
 
 class AuxLoss(SpecModel):
