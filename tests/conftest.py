@@ -1,0 +1,89 @@
+"""Shared fixtures: tiny timm backbones and dense checkpoints that the tests make themselves."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import timm
+import torch
+from safetensors.torch import save_file
+from timm.layers import ConvMlp
+from timm.models import register_model
+from torch import nn
+
+import moespec
+
+SPECS_DIR = Path(__file__).resolve().parent.parent / "specs"
+
+# Small versions of the published backbones: real timm classes, few blocks, small images.
+TINY_VIT = {"model": "vit_small_patch16_224", "kwargs": {"depth": 2, "img_size": 64, "num_classes": 10}}
+TINY_CONVNEXT = {"model": "convnext_tiny", "kwargs": {"depths": (1, 1, 2, 1), "num_classes": 10}}
+TINY_INPUT = [3, 64, 64]
+
+
+class _ConvMlpBlock(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.conv = nn.Conv2d(dim, dim, 3, padding=1)
+        self.mlp = ConvMlp(dim, dim * 3, act_layer=nn.GELU)
+
+    def forward(self, x):
+        x = self.conv(x)
+        return x + self.mlp(x)
+
+
+class _ConvMlpNet(nn.Module):
+    """A two-stage conv net whose blocks use timm's ConvMlp: exercises the channels-first FFN family."""
+
+    def __init__(self, num_classes: int = 10, dim: int = 16, **kwargs):
+        super().__init__()
+        self.pretrained_cfg = {"input_size": (3, 32, 32)}
+        self.stem = nn.Conv2d(3, dim, 4, stride=4)
+        self.stages = nn.Sequential(
+            nn.Sequential(_ConvMlpBlock(dim), _ConvMlpBlock(dim)),
+            nn.Sequential(nn.Conv2d(dim, dim * 2, 2, stride=2), nn.Sequential(_ConvMlpBlock(dim * 2))),
+        )
+        self.head = nn.Linear(dim * 2, num_classes)
+
+    def forward(self, x):
+        return self.head(self.stages(self.stem(x)).mean(dim=(2, 3)))
+
+
+@register_model
+def moespec_test_convmlp_net(pretrained: bool = False, **kwargs) -> nn.Module:
+    kwargs = {k: v for k, v in kwargs.items() if not k.startswith("pretrained_cfg") and k != "cache_dir"}
+    return _ConvMlpNet(**kwargs)
+
+
+def make_spec(backbone: dict, moe: list[dict], **extra) -> moespec.Spec:
+    return moespec.load_spec({"name": "test", "backbone": backbone, "input_size": TINY_INPUT, "moe": moe, **extra})
+
+
+def randomize(model: nn.Module, seed: int = 0) -> nn.Module:
+    """Give every parameter a non-trivial value (LayerScale gammas and GRN near 1 / 0.1, not 1e-6 / 0), so
+    that equivalence tests cannot pass because a branch is scaled to nothing."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.copy_(torch.randn(p.shape, generator=generator) / math.sqrt(p[0].numel()))
+            elif name.endswith(("weight", "gamma")):
+                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=generator))
+            else:
+                p.copy_(0.1 * torch.randn(p.shape, generator=generator))
+    return model
+
+
+@pytest.fixture
+def dense_checkpoint(tmp_path):
+    """Factory: save a randomized dense timm model as .safetensors; returns (path, model)."""
+
+    def make(backbone: dict, name: str = "dense.safetensors", seed: int = 0):
+        model = randomize(timm.create_model(backbone["model"], **backbone.get("kwargs", {})), seed).eval()
+        path = tmp_path / name
+        save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path))
+        return path, model
+
+    return make

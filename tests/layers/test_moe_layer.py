@@ -1,0 +1,120 @@
+"""The MoE layer on hand-made inputs: dispatch, capacity, shared experts, layouts, aux losses, gradients."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moespec.layers import Experts, MoE, Routing, TopKRouter
+from moespec.layers.routers import importance_load_loss, switch_loss
+
+
+def _moe(dim=6, hidden=5, experts=4, top_k=2, normalize=False, shared=0, capacity_factor=None, seed=0):
+    torch.manual_seed(seed)
+    bank = Experts(experts, dim, hidden, dim, act=nn.GELU())
+    for p in bank.parameters():
+        nn.init.normal_(p, std=0.5)
+    shared_bank = Experts(shared, dim, hidden, dim, act=nn.GELU()) if shared else None
+    if shared_bank is not None:
+        for p in shared_bank.parameters():
+            nn.init.normal_(p, std=0.5)
+    router = TopKRouter(dim, experts, top_k, normalize=normalize)
+    nn.init.normal_(router.gate.weight, std=1.0)
+    return MoE(router, bank, shared_bank, capacity_factor=capacity_factor, aux_loss_weights={"importance_load": 0.01})
+
+
+def _expert(bank: Experts, e: int, x: torch.Tensor) -> torch.Tensor:
+    """Reference: expert e written out with plain F.linear on its slice of the stacked weights."""
+    h = F.gelu(F.linear(x, bank.fc1.weight[e], bank.fc1.bias[e]))
+    return F.linear(h, bank.fc2.weight[e], bank.fc2.bias[e])
+
+
+def _reference(moe: MoE, x: torch.Tensor) -> torch.Tensor:
+    """y_t = sum_{i in TopK(g(x_t))} g_i(x_t) E_i(x_t), one item at a time (Shazeer et al. 2017)."""
+    items = x.reshape(-1, x.shape[-1])
+    probs = moe.router.gate(items).softmax(-1)
+    out = torch.zeros_like(items)
+    for t in range(items.shape[0]):
+        values, chosen = probs[t].topk(moe.top_k)
+        if moe.router.normalize:
+            values = values / values.sum()
+        for value, e in zip(values, chosen):
+            out[t] += value * _expert(moe.experts, int(e), items[t : t + 1])[0]
+    return out.reshape(x.shape)
+
+
+@pytest.mark.parametrize("experts,top_k,normalize", [(4, 1, False), (4, 2, False), (4, 2, True), (3, 3, True)])
+def test_dispatch_matches_per_item_reference(experts, top_k, normalize):
+    moe = _moe(experts=experts, top_k=top_k, normalize=normalize).eval()
+    x = torch.randn(2, 7, 6)
+    torch.testing.assert_close(moe(x), _reference(moe, x), atol=1e-5, rtol=1e-5)
+
+
+def test_capacity_keeps_first_items_in_order_and_zeroes_dropped():
+    moe = _moe(experts=4, top_k=1, capacity_factor=1.0).eval()
+    with torch.no_grad():  # every item prefers expert 2
+        moe.router.gate.weight.zero_()
+        moe.router.gate.weight[2] = 0
+        moe.router.gate.weight[2, 0] = 50.0
+    x = torch.randn(1, 10, 6)
+    x[..., 0] = x[..., 0].abs() + 1  # positive feature 0 -> expert 2 wins for every item
+    y = moe(x)
+    capacity = math.ceil(1.0 * 1 * 10 / 4)  # ceil(c * k * T / E) = 3
+    assert moe.capacity(10) == capacity
+    kept = y[0, :capacity]
+    expected = torch.stack([_expert(moe.experts, 2, x[0, t : t + 1])[0] for t in range(capacity)])
+    weights = moe.router.gate(x[0, :capacity]).softmax(-1)[:, 2:3]
+    torch.testing.assert_close(kept, expected * weights, atol=1e-5, rtol=1e-5)
+    assert torch.count_nonzero(y[0, capacity:]) == 0
+
+
+def test_shared_experts_add_to_routed_output():
+    moe = _moe(shared=2).eval()
+    x = torch.randn(2, 5, 6)
+    items = x.reshape(-1, 6)
+    shared = sum(_expert(moe.shared, e, items) for e in range(2)).reshape(x.shape)
+    routed_only = MoE(moe.router, moe.experts).eval()
+    torch.testing.assert_close(moe(x), routed_only(x) + shared, atol=1e-5, rtol=1e-5)
+
+
+def test_channels_first_layout_equals_channels_last():
+    moe = _moe().eval()
+    x = torch.randn(2, 6, 3, 4)  # [B, C, H, W]
+    first = MoE(moe.router, moe.experts, channels_dim=1).eval()
+    expected = moe(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+    torch.testing.assert_close(first(x), expected)
+
+
+def test_aux_losses_hand_computed():
+    # 4 items, 2 experts; probs chosen by hand, top-1 routing.
+    probs = torch.tensor([[0.9, 0.1], [0.8, 0.2], [0.3, 0.7], [0.6, 0.4]])
+    routing = Routing(probs.log(), probs, probs.topk(1, -1).indices, probs.topk(1, -1).values)
+    # importance = [2.6, 1.4]: mean 2, population var 0.36 -> CV^2 = 0.09
+    # load (top-1 counts) = [3, 1]: mean 2, var 1 -> CV^2 = 0.25; L = (0.09 + 0.25) / 2 = 0.17
+    assert importance_load_loss(routing).item() == pytest.approx(0.17, abs=1e-6)
+    # switch: f = [0.75, 0.25], P = [0.65, 0.35]; E * sum f_i P_i = 2 * (0.4875 + 0.0875) = 1.15
+    assert switch_loss(routing).item() == pytest.approx(1.15, abs=1e-6)
+
+
+def test_layer_records_last_forward_and_gradients_reach_gate_and_used_experts():
+    moe = _moe(experts=4, top_k=2).train()
+    x = torch.randn(2, 9, 6)
+    y = moe(x)
+    assert set(moe.aux_losses) == {"importance_load", "switch"}
+    assert moe.last_items == 18 and moe.last_routing.experts.shape == (18, 2)
+    (y.square().mean() + moe.weighted_aux_loss()).backward()
+    assert moe.router.gate.weight.grad.abs().sum() > 0
+    used = moe.last_routing.experts.unique().tolist()
+    for e in range(4):
+        grad = moe.experts.fc1.weight.grad[e].abs().sum()
+        assert (grad > 0) == (e in used)
+
+
+def test_macs_per_item_counts_router_and_k_experts():
+    moe = _moe(dim=6, hidden=5, experts=4, top_k=2, shared=1)
+    # router 6*4 + k=2 experts of (6*5 + 5*6) + 1 shared expert of (6*5 + 5*6)
+    assert moe.macs_per_item() == 24 + 2 * 60 + 60
