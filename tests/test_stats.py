@@ -1,0 +1,49 @@
+"""Parameter counts against hand calculations (the stats issue adds FLOPs)."""
+
+from __future__ import annotations
+
+import moespec
+
+from .conftest import SPECS_DIR
+
+
+def _vit_s16_dense() -> int:
+    """ViT-S/16 at 224, 1000 classes, counted by hand (timm lists 22.05M)."""
+    patch_embed = 3 * 16 * 16 * 384 + 384
+    tokens = 384 + 197 * 384  # cls token + position embedding
+    mlp = (384 * 1536 + 1536) + (1536 * 384 + 384)
+    block = 2 * 2 * 384 + (384 * 1152 + 1152) + (384 * 384 + 384) + mlp  # 2 LayerNorms, qkv, proj, mlp
+    return patch_embed + tokens + 12 * block + 2 * 384 + (384 * 1000 + 1000)
+
+
+def test_vit_s16_every2_top2_params():
+    s = moespec.stats(moespec.load_spec(SPECS_DIR / "vit_s16_moe8_every2_top2.yaml"))
+    assert s.dense_params == _vit_s16_dense() == 22_050_664
+    expert = (384 * 1536 + 1536) + (1536 * 384 + 384)  # one expert = the dense Mlp
+    router = 384 * 8
+    # 6 MoE layers (blocks 1, 3, ..., 11), each: the dense Mlp becomes 8 experts + a router
+    assert s.total_params == s.dense_params + 6 * (8 * expert + router - expert)
+    assert s.activated_params == s.dense_params + 6 * (2 * expert + router - expert)
+    assert (s.moe_layers, s.experts_total) == (6, 48)
+    assert [layer.path for layer in s.layers] == [f"blocks.{i}.mlp" for i in (1, 3, 5, 7, 9, 11)]
+    assert s.layers[0].activated_params == 2 * expert + router and s.layers[0].activated == "per token"
+
+
+def test_convnext_t_moe4_last2_ratio2_params():
+    s = moespec.stats(moespec.load_spec(SPECS_DIR / "convnext_t_moe4_last2_top1.yaml"))
+    assert s.dense_params == 28_589_128  # timm / the ConvNeXt paper: 28.6M (checked by the dense spec below)
+
+    def mlp(dim, hidden):
+        return (dim * hidden + hidden) + (hidden * dim + dim)
+
+    # stages.2.blocks.8 (dim 384) and stages.3.blocks.2 (dim 768): dense hidden 4*dim, experts 2*dim, 4 experts
+    changed = sum(4 * mlp(d, 2 * d) + d * 4 - mlp(d, 4 * d) for d in (384, 768))
+    assert s.total_params == s.dense_params + changed
+    activated = sum(mlp(d, 2 * d) + d * 4 - mlp(d, 4 * d) for d in (384, 768))
+    assert s.activated_params == s.dense_params + activated
+
+
+def test_dense_specs_count_the_backbone():
+    for name in ("vit_s16_dense.yaml", "convnext_t_dense.yaml"):
+        s = moespec.stats(moespec.load_spec(SPECS_DIR / name))
+        assert s.total_params == s.activated_params == s.dense_params and s.moe_layers == 0
