@@ -15,6 +15,7 @@ from typing import Callable
 
 import torch
 from timm.layers import ConvMlp, GlobalResponseNormMlp, GluMlp, Mlp, SwiGLU
+from timm.layers.grn import GlobalResponseNorm
 from torch import nn
 
 from .errors import MoespecError
@@ -33,7 +34,8 @@ class FFNShape:
 
 
 class Adapter:
-    """How moespec reads, rebuilds and upcycles one FFN family. Subclasses fill in the three methods."""
+    """How moespec reads, rebuilds and upcycles one FFN family. Subclasses say how their FFN is built
+    (`options`) and how one expert's weights are cut from it (`expert_state`)."""
 
     family: str = ""
 
@@ -43,12 +45,18 @@ class Adapter:
         return FFNShape(self.family, _in(fc1), _in(fc2), _out(fc2), channels_dim)
 
     def build_experts(self, ffn: nn.Module, experts: int, hidden: int) -> Experts:
+        """`experts` experts with `ffn`'s structure at `hidden` width (fresh init)."""
+        s = self.shape(ffn)
+        return Experts(experts, s.in_features, hidden, s.out_features, act=copy.deepcopy(ffn.act), **self.options(ffn))
+
+    def options(self, ffn: nn.Module) -> dict:
+        """`Experts` keyword arguments that reproduce `ffn`: gate, inner_norm, norm_eps, bias, drop."""
         raise NotImplementedError
 
     def expert_state(self, dense: dict[str, torch.Tensor], units: torch.Tensor) -> dict[str, torch.Tensor]:
         """One expert's tensors (names of `Experts` without the expert axis) from the dense FFN's state
         dict (names relative to the FFN), keeping the hidden units `units` (a LongTensor)."""
-        raise NotImplementedError
+        return _plain_state(dense, units, norm="norm")
 
 
 ADAPTERS: dict[type[nn.Module], Adapter] = {}
@@ -82,19 +90,8 @@ class MlpAdapter(Adapter):
 
     family = "Mlp"
 
-    def build_experts(self, ffn: Mlp, experts: int, hidden: int) -> Experts:
-        s = self.shape(ffn)
-        return Experts(
-            experts, s.in_features, hidden, s.out_features,
-            act=copy.deepcopy(ffn.act),
-            inner_norm=_inner_norm(ffn.norm, "layernorm", self.family),
-            norm_eps=getattr(ffn.norm, "eps", 1e-6),
-            bias=(ffn.fc1.bias is not None, ffn.fc2.bias is not None),
-            drop=(ffn.drop1.p, ffn.drop2.p),
-        )
-
-    def expert_state(self, dense: dict[str, torch.Tensor], units: torch.Tensor) -> dict[str, torch.Tensor]:
-        return _plain_state(dense, units, norm="norm")
+    def options(self, ffn: Mlp) -> dict:
+        return _options(ffn, ffn.fc1, ffn.norm, "layernorm", drop=(ffn.drop1.p, ffn.drop2.p))
 
 
 @register_adapter(GlobalResponseNormMlp)
@@ -103,16 +100,8 @@ class GlobalResponseNormMlpAdapter(Adapter):
 
     family = "GlobalResponseNormMlp"
 
-    def build_experts(self, ffn: GlobalResponseNormMlp, experts: int, hidden: int) -> Experts:
-        s = self.shape(ffn)
-        return Experts(
-            experts, s.in_features, hidden, s.out_features,
-            act=copy.deepcopy(ffn.act),
-            inner_norm="grn",
-            norm_eps=ffn.grn.eps,
-            bias=(ffn.fc1.bias is not None, ffn.fc2.bias is not None),
-            drop=(ffn.drop1.p, ffn.drop2.p),
-        )
+    def options(self, ffn: GlobalResponseNormMlp) -> dict:
+        return _options(ffn, ffn.fc1, ffn.grn, "grn", drop=(ffn.drop1.p, ffn.drop2.p))
 
     def expert_state(self, dense: dict[str, torch.Tensor], units: torch.Tensor) -> dict[str, torch.Tensor]:
         return _plain_state(dense, units, norm="grn")
@@ -124,19 +113,8 @@ class ConvMlpAdapter(Adapter):
 
     family = "ConvMlp"
 
-    def build_experts(self, ffn: ConvMlp, experts: int, hidden: int) -> Experts:
-        s = self.shape(ffn)
-        return Experts(
-            experts, s.in_features, hidden, s.out_features,
-            act=copy.deepcopy(ffn.act),
-            inner_norm=_inner_norm(ffn.norm, "layernorm_before_act", self.family),
-            norm_eps=getattr(ffn.norm, "eps", 1e-6),
-            bias=(ffn.fc1.bias is not None, ffn.fc2.bias is not None),
-            drop=(ffn.drop.p, 0.0),
-        )
-
-    def expert_state(self, dense: dict[str, torch.Tensor], units: torch.Tensor) -> dict[str, torch.Tensor]:
-        return _plain_state(dense, units, norm="norm")
+    def options(self, ffn: ConvMlp) -> dict:
+        return _options(ffn, ffn.fc1, ffn.norm, "layernorm_before_act", drop=(ffn.drop.p, 0.0))
 
 
 @register_adapter(GluMlp)
@@ -145,17 +123,9 @@ class GluMlpAdapter(Adapter):
 
     family = "GluMlp"
 
-    def build_experts(self, ffn: GluMlp, experts: int, hidden: int) -> Experts:
-        s = self.shape(ffn)
-        return Experts(
-            experts, s.in_features, hidden, s.out_features,
-            act=copy.deepcopy(ffn.act),
-            gate="act_last" if ffn.gate_last else "act_first",
-            inner_norm=_inner_norm(ffn.norm, "layernorm", self.family),
-            norm_eps=getattr(ffn.norm, "eps", 1e-6),
-            bias=(ffn.fc1.bias is not None, ffn.fc2.bias is not None),
-            drop=(ffn.drop1.p, ffn.drop2.p),
-        )
+    def options(self, ffn: GluMlp) -> dict:
+        gate = "act_last" if ffn.gate_last else "act_first"
+        return _options(ffn, ffn.fc1, ffn.norm, "layernorm", drop=(ffn.drop1.p, ffn.drop2.p), gate=gate)
 
     def expert_state(self, dense: dict[str, torch.Tensor], units: torch.Tensor) -> dict[str, torch.Tensor]:
         half = _matrix(dense["fc1.weight"]).shape[0] // 2
@@ -176,17 +146,8 @@ class SwiGLUAdapter(Adapter):
     def shape(self, ffn: SwiGLU) -> FFNShape:
         return FFNShape(self.family, _in(ffn.fc1_g), _in(ffn.fc2), _out(ffn.fc2), -1)
 
-    def build_experts(self, ffn: SwiGLU, experts: int, hidden: int) -> Experts:
-        s = self.shape(ffn)
-        return Experts(
-            experts, s.in_features, hidden, s.out_features,
-            act=copy.deepcopy(ffn.act),
-            gate="act_first",
-            inner_norm=_inner_norm(ffn.norm, "layernorm", self.family),
-            norm_eps=getattr(ffn.norm, "eps", 1e-6),
-            bias=(ffn.fc1_g.bias is not None, ffn.fc2.bias is not None),
-            drop=(ffn.drop1.p, ffn.drop2.p),
-        )
+    def options(self, ffn: SwiGLU) -> dict:
+        return _options(ffn, ffn.fc1_g, ffn.norm, "layernorm", drop=(ffn.drop1.p, ffn.drop2.p), gate="act_first")
 
     def expert_state(self, dense: dict[str, torch.Tensor], units: torch.Tensor) -> dict[str, torch.Tensor]:
         state = _plain_state({k: v for k, v in dense.items() if not k.startswith("fc1_")}, units, norm="norm")
@@ -194,6 +155,22 @@ class SwiGLUAdapter(Adapter):
         if "fc1_g.bias" in dense:
             state["fc1.bias"] = torch.cat([dense["fc1_g.bias"][units], dense["fc1_x.bias"][units]])
         return state
+
+
+def _options(ffn: nn.Module, fc1: nn.Module, norm: nn.Module, norm_kind: str, *, drop: tuple[float, float],
+             gate: str | None = None) -> dict:
+    """`Experts` options for an FFN whose first projection is `fc1` and inner norm module is `norm`."""
+    if isinstance(norm, GlobalResponseNorm):
+        inner = "grn"
+    else:
+        inner = _inner_norm(norm, norm_kind, type(ffn).__name__)
+    return {
+        "gate": gate,
+        "inner_norm": inner,
+        "norm_eps": getattr(norm, "eps", 1e-6),
+        "bias": (fc1.bias is not None, ffn.fc2.bias is not None),
+        "drop": drop,
+    }
 
 
 def _in(layer: nn.Module) -> int:

@@ -43,11 +43,6 @@ class LayerPlan:
         router = self.router
         return f"{router.kind}/{router.gate}" + (" norm" if router.normalize else "")
 
-    def expert_macs_per_item(self) -> int:
-        """Multiply-adds of one expert on one item: fc1 (x2 for gated FFNs) + fc2."""
-        gated = 2 if self.family in ("GluMlp", "SwiGLU") else 1
-        return self.in_features * self.expert_hidden * gated + self.expert_hidden * self.out_features
-
 
 @dataclass(frozen=True)
 class Plan:

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Optional, Union, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, PrivateAttr, Tag, ValidationError, field_validator, model_validator
 
 from .errors import Problem, SpecError, did_you_mean
 from .selectors import Where
@@ -145,8 +145,12 @@ class Spec(SpecModel):
     """(channels, height, width); default: the backbone's pretrained_cfg input_size."""
     moe: list[MoEGroup] = []
     upcycle: Upcycle = Upcycle()
-    source: Optional[str] = Field(default=None, exclude=True, repr=False)
-    """The file this spec was loaded from (not part of the YAML)."""
+    _source: Optional[str] = PrivateAttr(default=None)
+
+    @property
+    def source(self) -> str | None:
+        """The file this spec was loaded from (not part of the YAML), or None."""
+        return self._source
 
     def to_yaml(self) -> str:
         """The spec as YAML, with every default written out. `load_spec` reads it back to an equal Spec."""
@@ -186,7 +190,8 @@ def _validate(data: dict, positions: Positions, file: str | None) -> Spec:
         spec = Spec.model_validate(data)
     except ValidationError as err:
         raise SpecError([_problem(e, data, positions, file) for e in err.errors()]) from None
-    return spec.model_copy(update={"source": file}) if file else spec
+    spec._source = file
+    return spec
 
 
 def _problem(error: dict, data: Any, positions: Positions, file: str | None) -> Problem:
@@ -256,7 +261,7 @@ def _allowed_keys(model: type[BaseModel], path: list[Any]) -> list[str]:
     keys: list[str] = []
     for t in (leaf for c in candidates for leaf in _leaf_types(c)):
         if isinstance(t, type) and issubclass(t, BaseModel):
-            keys += [k for k, f in t.model_fields.items() if not f.exclude and k not in keys]
+            keys += [k for k in t.model_fields if k not in keys]
     return keys
 
 
