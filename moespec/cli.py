@@ -28,7 +28,11 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 out = Console(width=None if sys.stdout.isatty() else 240)  # never truncate tables piped to a file
-err = Console(stderr=True, highlight=False, width=None if sys.stderr.isatty() else 240)
+
+
+def _error(message: str) -> None:
+    """One line on stderr, never wrapped (scripts and tests grep these)."""
+    typer.echo(message, err=True)
 _debug = False
 
 
@@ -47,16 +51,16 @@ def _run(action: Callable[[], int | None]) -> None:
             raise
         messages = [str(p) for p in error.problems] if isinstance(error, SpecError) else str(error).splitlines()
         for i, message in enumerate(messages):
-            err.print(("moespec: error: " if i == 0 or isinstance(error, SpecError) else "  ") + message, markup=False)
+            _error(("moespec: error: " if i == 0 or isinstance(error, SpecError) else "  ") + message)
         raise typer.Exit(2)
     except KeyboardInterrupt:
-        err.print("moespec: interrupted")
+        _error("moespec: interrupted")
         raise typer.Exit(130)
     except Exception as error:  # a bug in moespec, not a user mistake
         if _debug:
             raise
-        err.print(f"moespec: internal error: {type(error).__name__}: {error}", markup=False)
-        err.print("this is a bug in moespec; rerun with --debug for the traceback and report it", markup=False)
+        _error(f"moespec: internal error: {type(error).__name__}: {error}")
+        _error("this is a bug in moespec; rerun with --debug for the traceback and report it")
         raise typer.Exit(1)
     if code:
         raise typer.Exit(code)
@@ -91,7 +95,7 @@ def validate(specs: List[Path] = typer.Argument(..., help="Spec files or folders
                 failed += 1
                 problems = error.problems if isinstance(error, SpecError) else [f"{file}: {error}"]
                 for problem in problems:
-                    err.print(f"moespec: error: {problem}", markup=False)
+                    _error(f"moespec: error: {problem}")
                 continue
             out.print(f"ok: {file} ({p.spec.backbone.model}, {len(p.layers)} MoE layers)", markup=False)
         return 2 if failed else 0

@@ -18,6 +18,7 @@ from torch import fx, nn
 from .backbone import create_backbone
 from .build import build_moe
 from .errors import MoespecError
+from .layers import MoE
 from .plan import Plan, plan_for
 from .spec import Spec
 
@@ -99,6 +100,4 @@ def create_model(spec: Spec, *, device: str | torch.device = "cpu") -> fx.GraphM
 
 def moe_layers(model: nn.Module) -> dict[str, nn.Module]:
     """The MoE layers of a compiled model, by qualified name."""
-    from .layers import MoE
-
     return {name: m for name, m in model.named_modules() if isinstance(m, MoE)}

@@ -83,7 +83,10 @@ def plan(spec: Spec) -> Plan:
 
 def plan_for(spec: Spec, model: nn.Module) -> Plan:
     """The Plan of `spec` for an already built dense `model` (any device)."""
-    layout = find_blocks(model)
+    try:
+        layout = find_blocks(model)
+    except SpecError as error:
+        raise located(spec, error) from None
     modules = dict(model.named_modules())
     problems: list[Problem] = []
     layers: dict[str, LayerPlan] = {}
@@ -110,7 +113,7 @@ def plan_for(spec: Spec, model: nn.Module) -> Plan:
             if layer is not None:
                 layers[path] = layer
     if problems:
-        raise SpecError(problems)
+        raise SpecError(list(dict.fromkeys(problems)))  # one report per distinct problem
     ordered = tuple(sorted(layers.values(), key=lambda layer: list(modules).index(layer.path)))
     return Plan(spec, layout, ordered, _input_size(spec, model))
 
@@ -135,7 +138,7 @@ def _layer_plan(spec: Spec, index: int, group: MoEGroup, block: int, path: str, 
         in_features=shape.in_features, dense_hidden=shape.hidden, expert_hidden=hidden,
         out_features=shape.out_features, channels_dim=shape.channels_dim,
         experts=group.experts, top_k=group.top_k, shared_experts=group.shared_experts,
-        router=group.router, capacity_factor=group.capacity_factor, aux_losses=tuple(group.aux_losses),
+        router=group.router, capacity_factor=group.capacity_factor, aux_losses=tuple(group.aux_loss),
     )
 
 

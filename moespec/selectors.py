@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Annotated, Any, Callable, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag
 
 if TYPE_CHECKING:
     from .backbone import BlockLayout
@@ -47,7 +47,7 @@ class Selector(BaseModel):
         raise NotImplementedError
 
 
-PositiveInt = Annotated[int, Field(gt=0)]
+PositiveInt = Annotated[int, Field(gt=0, strict=True)]
 
 
 def _check_index(index: int, count: int, what: str) -> int:
@@ -150,14 +150,18 @@ AnySelector = Annotated[
 ]
 """One selector, chosen by its single key."""
 
-Where = Union[AnySelector, Annotated[list[AnySelector], Field(min_length=1)]]
+Where = Annotated[
+    list[AnySelector],
+    BeforeValidator(lambda value: value if isinstance(value, list) else [value]),
+    Field(min_length=1),
+]
+"""One selector or a list of them; stored as a list (their union)."""
 
 
-def resolve_where(where: Selector | list[Selector], layout: "BlockLayout") -> list[int]:
-    """The sorted union of the blocks picked by one selector or a list of them."""
-    selectors = where if isinstance(where, list) else [where]
+def resolve_where(where: list[Selector], layout: "BlockLayout") -> list[int]:
+    """The sorted union of the blocks picked by a list of selectors."""
     picked: set[int] = set()
-    for selector in selectors:
+    for selector in where:
         picked.update(selector.resolve(layout))
     if not picked:
         raise SelectorError(f"matches no block; the model has {layout.describe()}")

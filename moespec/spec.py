@@ -19,14 +19,16 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Optional, Union, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, PrivateAttr, Tag, ValidationError, field_validator, model_validator
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, PrivateAttr, Tag, ValidationError,
+                      ValidationInfo, field_validator)
 
 from .errors import Problem, SpecError, did_you_mean
 from .selectors import Where
 from .yaml_positions import Positions, load_yaml
 
-PositiveInt = Annotated[int, Field(gt=0)]
-NonNegativeInt = Annotated[int, Field(ge=0)]
+# Counts are strict: `experts: true` or `experts: 2.5` is an error, not 1 or 2.
+PositiveInt = Annotated[int, Field(gt=0, strict=True)]
+NonNegativeInt = Annotated[int, Field(ge=0, strict=True)]
 PositiveFloat = Annotated[float, Field(gt=0)]
 NonNegativeFloat = Annotated[float, Field(ge=0)]
 
@@ -92,10 +94,16 @@ class AuxLoss(SpecModel):
     weight: NonNegativeFloat = 0.01
 
 
+def _as_list(value: Any) -> Any:
+    """Accept one item where a list is expected: `aux_loss: {...}` means `aux_loss: [{...}]`."""
+    return value if isinstance(value, list) else [value]
+
+
 class MoEGroup(SpecModel):
     """One surgery group: the FFN `sublayer` of each block picked by `where` becomes an MoE layer."""
 
     where: Where
+    """Which blocks: one selector or a list of them (their union)."""
     sublayer: Annotated[str, Field(min_length=1)] = "mlp"
     experts: PositiveInt
     top_k: PositiveInt = 1
@@ -108,19 +116,23 @@ class MoEGroup(SpecModel):
     router: Router = TopKRouter()
     capacity_factor: Optional[PositiveFloat] = None
     """Each expert takes at most ceil(capacity_factor * top_k * T / experts) of T items; null = dropless."""
-    aux_loss: Union[AuxLoss, list[AuxLoss]] = AuxLoss()
+    aux_loss: Annotated[list[AuxLoss], BeforeValidator(_as_list)] = [AuxLoss()]
+    """One aux loss or a list of them; stored as a list."""
 
-    @model_validator(mode="after")
-    def _cross_field_checks(self) -> "MoEGroup":
-        if self.top_k > self.experts:
-            raise ValueError(f"top_k ({self.top_k}) must be between 1 and experts ({self.experts})")
-        if self.expert_hidden is not None and self.expert_mlp_ratio is not None:
+    @field_validator("top_k")
+    @classmethod
+    def _top_k_at_most_experts(cls, top_k: int, info: ValidationInfo) -> int:
+        experts = info.data.get("experts")
+        if experts is not None and top_k > experts:
+            raise ValueError(f"top_k ({top_k}) must be between 1 and experts ({experts})")
+        return top_k
+
+    @field_validator("expert_mlp_ratio")
+    @classmethod
+    def _one_width(cls, ratio: float | None, info: ValidationInfo) -> float | None:
+        if ratio is not None and info.data.get("expert_hidden") is not None:
             raise ValueError("give expert_hidden or expert_mlp_ratio, not both")
-        return self
-
-    @property
-    def aux_losses(self) -> list[AuxLoss]:
-        return self.aux_loss if isinstance(self.aux_loss, list) else [self.aux_loss]
+        return ratio
 
 
 class Upcycle(SpecModel):
@@ -181,7 +193,8 @@ def load_spec(source: str | Path | dict, *, text: str | None = None) -> Spec:
     if not isinstance(data, dict):
         found = "an empty file" if data is None else f"a {type(data).__name__}"
         raise SpecError(Problem(f"a spec is a YAML mapping with at least 'backbone', but this is {found}", file=file, line=1, column=1))
-    data.setdefault("name", Path(file).stem)
+    if data.get("name") is None:
+        data["name"] = Path(file).stem
     return _validate(data, positions, file=file)
 
 
@@ -232,6 +245,8 @@ def _message(error: dict, path: list[Any]) -> str:
         return msg.removeprefix("Value error, ")
     if kind == "model_type":
         return "expected a mapping (key: value)"
+    if kind == "union_tag_invalid":
+        return f"unknown {path[-1] if path else 'kind'} {error['ctx']['tag']!r}; allowed: {error['ctx']['expected_tags']}"
     return msg[0].lower() + msg[1:] if msg else kind
 
 

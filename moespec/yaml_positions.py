@@ -40,7 +40,7 @@ def load_yaml(text: str, file: str) -> tuple[Any, Positions]:
     except yaml.MarkedYAMLError as err:
         mark = err.problem_mark or err.context_mark
         message = f"invalid YAML: {err.problem or err.context}"
-        if "\t" in text and "tab" in str(err).lower():
+        if mark is not None and "\t" in text.splitlines()[min(mark.line, len(text.splitlines()) - 1)]:
             message += "; indent with spaces, YAML does not allow tabs"
         raise SpecError(Problem(message, file=file, line=mark.line + 1 if mark else None, column=mark.column + 1 if mark else None)) from None
     except yaml.YAMLError as err:

@@ -1,0 +1,224 @@
+"""The `moespec` command line, run as subprocesses.
+
+Every command pays the torch/timm import (seconds), so all of them are started at once, in parallel, by one
+module fixture; each test then checks the result of its own command.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+SPECS = Path(__file__).resolve().parent.parent / "specs"
+SPEC_FILES = sorted(SPECS.glob("*.yaml"))
+CONSOLE_SCRIPT = Path(sys.executable).parent / "moespec"
+
+BAD_TOP_K = """\
+backbone:
+  model: vit_small_patch16_224
+moe:
+  - where: {every: 2}
+    experts: 2
+    top_k: 3
+"""
+BAD_TOP_K_LINE = 6  # the `top_k` line of the group
+
+LONG_MESSAGE = """\
+backbone:
+  model: vit_small_patch16_224
+moe:
+  - where: {every: 2}
+    experts: 8
+    exprts: 8
+"""
+LONG_MESSAGE_LINE = 6
+
+
+@dataclass
+class Result:
+    argv: list[str]
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def run_all(commands: dict[str, list[str]], cwd: Path, env: dict) -> dict[str, Result]:
+    """Run `commands` concurrently (each mostly waits on its own torch/timm import)."""
+
+    def run(argv: list[str]) -> Result:
+        done = subprocess.run(argv, capture_output=True, text=True, cwd=cwd, env=env, timeout=300)
+        return Result(argv, done.returncode, done.stdout, done.stderr)
+
+    with ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 1)) as pool:
+        futures = {name: pool.submit(run, argv) for name, argv in commands.items()}
+        return {name: future.result() for name, future in futures.items()}
+
+
+def moespec_argv(*args: str, script: bool = False) -> list[str]:
+    if script and CONSOLE_SCRIPT.exists():
+        return [str(CONSOLE_SCRIPT), *args]
+    return [sys.executable, "-m", "moespec.cli", *args]
+
+
+@pytest.fixture(scope="module")
+def cli(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("cli")
+    good = SPECS / "vit_s16_moe8_every2_top2.yaml"
+    bad = root / "bad.yaml"
+    bad.write_text(BAD_TOP_K)
+    # a long file name, so that the one-line error is longer than any terminal width
+    long = root / ("a_spec_file_with_a_rather_long_name_" * 3 + ".yaml")
+    long.write_text(LONG_MESSAGE)
+    folder = root / "folder"
+    folder.mkdir()
+    (folder / "a_good.yaml").write_text((SPECS / "vit_s16_dense.yaml").read_text())
+    (folder / "b_bad.yaml").write_text(BAD_TOP_K)
+    missing = root / "does_not_exist.yaml"
+
+    commands = {
+        "validate_good": moespec_argv("validate", str(good)),
+        "validate_bad": moespec_argv("validate", str(bad), str(long)),
+        "validate_folder": moespec_argv("validate", str(folder), script=True),
+        "validate_missing": moespec_argv("validate", str(missing)),
+        "plan": moespec_argv("plan", str(SPECS / "convnext_t_moe4_last2_top1.yaml"), script=True),
+        "stats_json": moespec_argv("stats", str(SPECS), "--format", "json"),
+        "stats_csv": moespec_argv("stats", str(SPECS), "--format", "csv"),
+        "stats_markdown": moespec_argv("stats", str(SPECS), "-f", "markdown"),
+    }
+    env = {**os.environ, "NO_COLOR": "1", "OMP_NUM_THREADS": "1"}
+    env.pop("FORCE_COLOR", None)
+    results = run_all(commands, root, env)
+    return {"results": results, "good": good, "bad": bad, "long": long, "folder": folder, "missing": missing}
+
+
+def no_traceback(result: Result) -> None:
+    assert "Traceback" not in result.stdout + result.stderr
+    assert "internal error" not in result.stderr
+
+
+def test_validate_good_spec(cli):
+    result = cli["results"]["validate_good"]
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == f"ok: {cli['good']} (vit_small_patch16_224, 6 MoE layers)\n"
+    assert result.stderr == ""
+
+
+def test_validate_bad_spec(cli):
+    """`validate bad.yaml long.yaml`: both fail; the first one's problem is the first stderr line."""
+    result = cli["results"]["validate_bad"]
+    assert result.returncode == 2
+    assert result.stdout == ""
+    assert result.stderr.startswith("moespec: error: ")
+    assert f"{cli['bad']}:{BAD_TOP_K_LINE}:5: moe.0.top_k: " in result.stderr
+    assert result.stderr.splitlines()[0] == (
+        f"moespec: error: {cli['bad']}:{BAD_TOP_K_LINE}:5: moe.0.top_k: top_k (3) must be between 1 and experts (2)"
+    )
+    assert f"{cli['long']}:{LONG_MESSAGE_LINE}:5: moe.0.exprts: unknown key 'exprts'" in result.stderr
+    no_traceback(result)
+
+
+def test_validate_long_error_stays_on_one_line(cli):
+    """Errors are `file:line:col: path: message` lines for editors and grep; they must not be wrapped
+    at the console width when stderr is not a terminal."""
+    result = cli["results"]["validate_bad"]
+    expected = (f"moespec: error: {cli['long']}:{LONG_MESSAGE_LINE}:5: moe.0.exprts: unknown key 'exprts'; allowed: "
+                "where, sublayer, experts, top_k, expert_hidden, expert_mlp_ratio, shared_experts, router, "
+                "capacity_factor, aux_loss; did you mean 'experts'?")
+    assert len(expected) > 240  # longer than the width rich falls back to
+    assert result.stderr.splitlines()[1:] == [expected]
+
+
+def test_validate_folder_reports_the_bad_spec(cli):
+    result = cli["results"]["validate_folder"]
+    folder = cli["folder"]
+    assert result.returncode == 2
+    assert result.stdout == f"ok: {folder / 'a_good.yaml'} (vit_small_patch16_224, 0 MoE layers)\n"
+    assert result.stderr == (
+        f"moespec: error: {folder / 'b_bad.yaml'}:{BAD_TOP_K_LINE}:5: moe.0.top_k: top_k (3) must be between 1 and "
+        "experts (2)\n"
+    )
+    no_traceback(result)
+
+
+def test_validate_missing_file(cli):
+    result = cli["results"]["validate_missing"]
+    assert result.returncode == 2
+    assert result.stdout == ""
+    assert result.stderr == f"moespec: error: {cli['missing']}: no such spec file\n"
+    no_traceback(result)
+
+
+def test_plan_prints_the_moe_layers(cli):
+    result = cli["results"]["plan"]
+    assert result.returncode == 0, result.stderr
+    no_traceback(result)
+    assert "convnext-t-moe4-last2-top1" in result.stdout
+    # rich draws the header with heavy bars (┃) and the body with light ones (│)
+    rows = [[cell.strip() for cell in line.replace("┃", "│").split("│")[1:-1]]
+            for line in result.stdout.splitlines() if line.startswith(("│", "┃"))]
+    assert rows == [
+        ["module", "family", "in", "dense hidden", "expert hidden", "experts", "k", "shared", "router"],
+        ["stages.2.blocks.8.mlp", "Mlp", "384", "1536", "768", "4", "1", "0", "topk/linear"],
+        ["stages.3.blocks.2.mlp", "Mlp", "768", "3072", "1536", "4", "1", "0", "topk/linear"],
+    ]
+
+
+def test_stats_json(cli):
+    result = cli["results"]["stats_json"]
+    assert result.returncode == 0, result.stderr
+    records = json.loads(result.stdout)
+    assert isinstance(records, list)
+    assert [r["spec"] for r in records] == [str(p) for p in SPEC_FILES]
+    assert [r["name"] for r in records] == [
+        "convnext-t-dense", "convnext-t-moe4-last2-top1", "convnext-t-moe8-last2-top1",
+        "vit-s16-dense", "vit-s16-moe8-every2-top2", "vit-s16-moe8-last2-top2",
+    ]
+    for record in records:
+        for key in ("total_params", "activated_params", "dense_params"):
+            assert type(record[key]) is int and record[key] > 0, (record["name"], key)
+    by_name = {r["name"]: r for r in records}
+    dense = {r["backbone"]: r for r in (by_name["convnext-t-dense"], by_name["vit-s16-dense"])}
+    for d in dense.values():
+        assert d["total_params"] == d["activated_params"] == d["dense_params"]
+        assert (d["moe_layers"], d["experts_total"], d["layers"]) == (0, 0, [])
+    for record in records:
+        assert record["dense_params"] == dense[record["backbone"]]["total_params"], record["name"]
+    moe = {name: r for name, r in by_name.items() if "moe" in name}
+    assert {name: (r["moe_layers"], r["experts_total"]) for name, r in moe.items()} == {
+        "convnext-t-moe4-last2-top1": (2, 8),
+        "convnext-t-moe8-last2-top1": (2, 16),
+        "vit-s16-moe8-every2-top2": (6, 48),
+        "vit-s16-moe8-last2-top2": (2, 16),
+    }
+    for record in moe.values():
+        assert record["activated_params"] < record["total_params"]
+    assert [layer["path"] for layer in by_name["convnext-t-moe4-last2-top1"]["layers"]] == [
+        "stages.2.blocks.8.mlp", "stages.3.blocks.2.mlp",
+    ]
+
+
+def test_stats_csv(cli):
+    result = cli["results"]["stats_csv"]
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0] == "name,backbone,MoE layers,experts,params (M),activated (M),dense params (M)"
+    assert len(lines) == 1 + len(SPEC_FILES)
+    assert lines[1].startswith("convnext-t-dense,convnext_tiny,0,0,")
+
+
+def test_stats_markdown(cli):
+    result = cli["results"]["stats_markdown"]
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0] == "| name | backbone | MoE layers | experts | params (M) | activated (M) | dense params (M) |"
+    assert lines[1] == "|---|---|---|---|---|---|---|"
+    rows = [line for line in lines[2:] if line.startswith("| ")]
+    assert len(rows) == len(SPEC_FILES)
+    assert rows[4].startswith("| vit-s16-moe8-every2-top2 | vit_small_patch16_224 | 6 | 48 | ")
