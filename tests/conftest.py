@@ -57,6 +57,19 @@ def moespec_test_convmlp_net(pretrained: bool = False, **kwargs) -> nn.Module:
     return _ConvMlpNet(**kwargs)
 
 
+def write(tmp_path: Path, text: str, name: str = "spec.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def line_of(text: str, needle: str, nth: int = 0) -> int:
+    """1-based line number of the `nth` line of `text` containing `needle`."""
+    lines = [i + 1 for i, line in enumerate(text.splitlines()) if needle in line]
+    assert len(lines) > nth, f"{needle!r} not in the test's YAML"
+    return lines[nth]
+
+
 def make_spec(backbone: dict, moe: list[dict], **extra) -> moespec.Spec:
     return moespec.load_spec({"name": "test", "backbone": backbone, "input_size": TINY_INPUT, "moe": moe, **extra})
 

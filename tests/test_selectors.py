@@ -8,25 +8,13 @@ import pytest
 
 import moespec
 from moespec import SpecError, load_spec
+from .conftest import line_of, write
 
 EXAMPLE = Path(__file__).parent / "data" / "example_spec.yaml"
 
 VIT = "vit_small_patch16_224"  # 12 blocks `blocks.i`, one stage
 CONVNEXT = "convnext_tiny"  # stages of 3, 3, 9, 3 blocks at `stages.s.blocks.b`
 CONVNEXT_BLOCKS = [f"stages.{s}.blocks.{b}" for s, n in enumerate((3, 3, 9, 3)) for b in range(n)]
-
-
-def write(tmp_path: Path, text: str, name: str = "spec.yaml") -> Path:
-    path = tmp_path / name
-    path.write_text(text, encoding="utf-8")
-    return path
-
-
-def line_of(text: str, needle: str, nth: int = 0) -> int:
-    """1-based line number of the `nth` line of `text` containing `needle`."""
-    lines = [i + 1 for i, line in enumerate(text.splitlines()) if needle in line]
-    assert len(lines) > nth, f"{needle!r} not in the test's YAML"
-    return lines[nth]
 
 
 def group_spec(model: str, where: str, extra: str = "") -> str:

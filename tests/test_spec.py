@@ -13,24 +13,13 @@ from moespec import Spec, SpecError, load_spec
 from moespec.selectors import Blocks, Every, StageLast, Stages
 from moespec.spec import AuxLoss, TopKRouter, Upcycle
 
+from .conftest import line_of, write
+
 DATA = Path(__file__).parent / "data"
 EXAMPLE = DATA / "example_spec.yaml"
 
 GROUP_KEYS = ("where, sublayer, experts, top_k, expert_hidden, expert_mlp_ratio, shared_experts, router, "
               "capacity_factor, aux_loss")
-
-
-def write(tmp_path: Path, text: str, name: str = "spec.yaml") -> Path:
-    path = tmp_path / name
-    path.write_text(text, encoding="utf-8")
-    return path
-
-
-def line_of(text: str, needle: str, nth: int = 0) -> int:
-    """1-based line number of the `nth` line of `text` containing `needle`."""
-    lines = [i + 1 for i, line in enumerate(text.splitlines()) if needle in line]
-    assert len(lines) > nth, f"{needle!r} not in the test's YAML"
-    return lines[nth]
 
 
 def column_of(text: str, needle: str) -> int:
