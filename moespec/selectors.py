@@ -15,7 +15,7 @@ model registered under its one YAML key, with a `resolve(layout)` that returns g
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Annotated, Any, Callable, Literal, Union
+from typing import TYPE_CHECKING, Annotated, Any, Callable, ClassVar, Literal, Union
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag
 
@@ -42,6 +42,7 @@ def register_selector(key: str) -> Callable[[type["Selector"]], type["Selector"]
 
 class Selector(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+    FORM: ClassVar[str] = ""  # how it is written, for error messages
 
     def resolve(self, layout: "BlockLayout") -> list[int]:
         raise NotImplementedError
@@ -66,6 +67,8 @@ def _need_stages(layout: "BlockLayout", selector: str) -> None:
 
 @register_selector("every")
 class Every(Selector):
+    FORM: ClassVar[str] = "{every: N}"
+
     every: PositiveInt
 
     def resolve(self, layout: "BlockLayout") -> list[int]:
@@ -74,6 +77,8 @@ class Every(Selector):
 
 @register_selector("last")
 class Last(Selector):
+    FORM: ClassVar[str] = "{last: N}"
+
     last: PositiveInt
 
     def resolve(self, layout: "BlockLayout") -> list[int]:
@@ -85,6 +90,8 @@ class Last(Selector):
 
 @register_selector("first")
 class First(Selector):
+    FORM: ClassVar[str] = "{first: N}"
+
     first: PositiveInt
 
     def resolve(self, layout: "BlockLayout") -> list[int]:
@@ -96,6 +103,8 @@ class First(Selector):
 
 @register_selector("blocks")
 class Blocks(Selector):
+    FORM: ClassVar[str] = "{blocks: [i, ...]}"
+
     blocks: Annotated[list[int], Field(min_length=1)]
 
     def resolve(self, layout: "BlockLayout") -> list[int]:
@@ -104,6 +113,8 @@ class Blocks(Selector):
 
 @register_selector("stage_last")
 class StageLast(Selector):
+    FORM: ClassVar[str] = "{stage_last: N | all}"
+
     stage_last: Union[PositiveInt, Literal["all"]]
 
     def resolve(self, layout: "BlockLayout") -> list[int]:
@@ -117,6 +128,8 @@ class StageLast(Selector):
 
 @register_selector("stages")
 class Stages(Selector):
+    FORM: ClassVar[str] = "{stages: {stage: [i, ...]}}"
+
     stages: Annotated[dict[int, Annotated[list[int], Field(min_length=1)]], Field(min_length=1)]
 
     def resolve(self, layout: "BlockLayout") -> list[int]:
@@ -137,15 +150,14 @@ def _selector_tag(value: Any) -> str | None:
     return None
 
 
-_FORMS = ", ".join(f"{{{key}: ...}}" for key in SELECTORS)
+_FORMS = ", ".join(cls.FORM for cls in SELECTORS.values())
 
 AnySelector = Annotated[
     Union[tuple(Annotated[cls, Tag(key)] for key, cls in SELECTORS.items())],  # type: ignore[misc]
     Discriminator(
         _selector_tag,
         custom_error_type="selector",
-        custom_error_message=f"a selector is a mapping with exactly one of the keys {list(SELECTORS)} "
-        f"({_FORMS}), or a list of them",
+        custom_error_message=f"a selector is one of {_FORMS}, or a list of them",
     ),
 ]
 """One selector, chosen by its single key."""

@@ -23,7 +23,7 @@ from pydantic import (BaseModel, BeforeValidator, ConfigDict, Discriminator, Fie
                       ValidationInfo, field_validator)
 
 from .errors import Problem, SpecError, did_you_mean
-from .selectors import Where
+from .selectors import SELECTORS, Where
 from .yaml_positions import Positions, load_yaml
 
 # Counts are strict: `experts: true` or `experts: 2.5` is an error, not 1 or 2.
@@ -245,6 +245,8 @@ def _message(error: dict, path: list[Any]) -> str:
         return msg.removeprefix("Value error, ")
     if kind == "model_type":
         return "expected a mapping (key: value)"
+    if kind == "selector" and isinstance(error.get("input"), dict) and len(error["input"]) == 1:
+        return msg + did_you_mean(next(iter(error["input"])), SELECTORS)
     if kind == "union_tag_invalid":
         return f"unknown {path[-1] if path else 'kind'} {error['ctx']['tag']!r}; allowed: {error['ctx']['expected_tags']}"
     return msg[0].lower() + msg[1:] if msg else kind

@@ -273,8 +273,10 @@ def test_unknown_selector_key_lists_the_forms(tmp_path):
         load_spec(path)
     problem = info.value.problems[0]
     assert_where_problem(path, problem, text)
-    for form in ("{every: ...}", "{last: ...}", "{first: ...}", "{blocks: ...}", "{stage_last: ...}", "{stages: ...}"):
+    for form in ("{every: N}", "{last: N}", "{first: N}", "{blocks: [i, ...]}", "{stage_last: N | all}",
+                 "{stages: {stage: [i, ...]}}"):
         assert form in problem.message
+    assert problem.message.endswith("did you mean 'every'?")
 
 
 @pytest.mark.parametrize(
