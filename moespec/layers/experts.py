@@ -86,6 +86,11 @@ class Experts(nn.Module):
         self.fc2 = StackedLinear(experts, hidden, out_features, bias=bias[1])
 
     @property
+    def needs_groups(self) -> bool:
+        """Whether forward needs each row's image index (GRN normalizes per image)."""
+        return self.inner_norm == "grn"
+
+    @property
     def in_features(self) -> int:
         return self.fc1.in_features
 

@@ -74,7 +74,9 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         channels_last = x if self.channels_dim in (-1, x.dim() - 1) else x.movedim(self.channels_dim, -1)
         items = channels_last.reshape(-1, channels_last.shape[-1])
-        groups = torch.arange(x.shape[0], device=x.device).repeat_interleave(items.shape[0] // x.shape[0])
+        groups = None  # image index per item, only for experts that normalize per image
+        if self.experts.needs_groups or (self.shared is not None and self.shared.needs_groups):
+            groups = torch.arange(x.shape[0], device=x.device).repeat_interleave(items.shape[0] // x.shape[0])
         routing = self.router(items)
         y = self._dispatch(items, routing, groups)
         if self.shared is not None:
@@ -84,7 +86,7 @@ class MoE(nn.Module):
         y = y.reshape(*channels_last.shape[:-1], y.shape[-1])
         return y if channels_last is x else y.movedim(-1, self.channels_dim)
 
-    def _dispatch(self, items: torch.Tensor, routing: Routing, groups: torch.Tensor) -> torch.Tensor:
+    def _dispatch(self, items: torch.Tensor, routing: Routing, groups: torch.Tensor | None) -> torch.Tensor:
         """Sort (item, slot) pairs by expert, run each expert on its segment, scatter back weighted."""
         top_k = routing.experts.shape[1]
         flat_experts = routing.experts.reshape(-1)
@@ -98,7 +100,7 @@ class MoE(nn.Module):
             order = order[rank < capacity]
             counts = counts.clamp(max=capacity)
         item_of = order // top_k
-        outputs = self.experts(items[item_of], counts.tolist(), groups[item_of])
+        outputs = self.experts(items[item_of], counts.tolist(), groups[item_of] if groups is not None else None)
         outputs = outputs * routing.weights.reshape(-1, 1)[order]
         return items.new_zeros(items.shape[0], outputs.shape[-1]).index_add_(0, item_of, outputs)
 

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Run the README's two Quick start lines as a new user would: a clean clone, a fresh venv per line, only
+# Python on the machine. Usage: tools/check_quickstart.sh [workdir]   (needs ~10 GB and a few minutes)
+set -euo pipefail
+repo=$(cd "$(dirname "$0")/.." && pwd)
+work=${1:-$(mktemp -d)}
+mapfile -t lines < <(awk '/^## Quick start/{on=1} on && /^```bash/{code=1; next} code && /^```/{exit} code' "$repo/README.md")
+if [ "${#lines[@]}" -ne 2 ]; then
+  echo "check_quickstart: expected exactly two command lines in the README's Quick start, found ${#lines[@]}" >&2
+  exit 1
+fi
+for i in 0 1; do
+  rm -rf "$work/clone$i" "$work/venv$i"
+  git clone -q "$repo" "$work/clone$i"
+  python3 -m venv "$work/venv$i"
+  echo "== Quick start line $((i + 1)): ${lines[$i]}"
+  (cd "$work/clone$i" && source "$work/venv$i/bin/activate" && bash -c "${lines[$i]}")
+done
+echo "== both Quick start lines passed"
