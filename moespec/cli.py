@@ -111,7 +111,8 @@ def plan_command(spec: Path = typer.Argument(..., help="Spec file.")) -> None:
         from . import load_spec, plan
 
         p = plan(load_spec(spec))
-        table = Table(title=p.summary(), title_justify="left")
+        out.print(p.summary(), markup=False, soft_wrap=True)
+        table = Table()
         for i, column in enumerate(p.COLUMNS):
             table.add_column(column, justify="right" if 2 <= i <= 7 else "left")
         for row in p.rows():
