@@ -6,13 +6,10 @@ a bug in moespec and exits 1 with a hint to rerun with `--debug`.
 
 from __future__ import annotations
 
-import csv
-import io
-import json
 import sys
 from enum import Enum
 from pathlib import Path
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Tuple
 
 import typer
 from rich.console import Console
@@ -187,50 +184,33 @@ class Format(str, Enum):
 def stats_command(
     specs: List[Path] = typer.Argument(..., help="Spec files or folders of specs."),
     format: Format = typer.Option(Format.table, "--format", "-f", help="Output format."),
+    per_layer: bool = typer.Option(False, "--per-layer", help="One row per MoE layer and per dense remainder."),
+    input_size: Optional[Tuple[int, int, int]] = typer.Option(None, "--input-size", metavar="C H W",
+                                                              help="Override the specs' input size."),
 ) -> None:
-    """Total and activated parameters of each spec, with the dense backbone for comparison."""
+    """Total and activated parameters and GMACs of each spec, with its dense backbone for comparison.
 
-    def body() -> None:
+    A spec that fails is reported and the others still print; the exit code is then 2.
+    """
+
+    def body() -> int:
         from . import load_spec
+        from .report import render
         from .stats import stats
 
-        records = [stats(load_spec(file)) for file in _spec_files(specs)]
-        render_stats(records, format)
+        records, failed = [], 0
+        for file in _spec_files(specs):
+            try:
+                records.append(stats(load_spec(file), input_size=input_size))
+            except MoespecError as error:
+                failed += 1
+                for problem in (error.problems if isinstance(error, SpecError) else [f"{file}: {error}"]):
+                    _error(f"moespec: error: {problem}")
+        if records:
+            sys.stdout.write(render(records, format.value, per_layer=per_layer))
+        return 2 if failed else 0
 
     _run(body)
-
-
-STATS_COLUMNS = ("name", "backbone", "MoE layers", "experts", "params (M)", "activated (M)", "dense params (M)")
-
-
-def _stats_row(s) -> tuple[str, ...]:
-    return (s.name, s.backbone, str(s.moe_layers), str(s.experts_total), f"{s.total_params / 1e6:.2f}",
-            f"{s.activated_params / 1e6:.2f}", f"{s.dense_params / 1e6:.2f}")
-
-
-def render_stats(records: list, format: Format) -> None:
-    footer = ("params: total parameters; activated: parameters used per token (everything outside MoE layers + "
-              "routers + shared experts + top_k routed experts); M = 10^6, exact counts in --format json.")
-    rows = [_stats_row(s) for s in records]
-    if format is Format.json:
-        sys.stdout.write(json.dumps([s.to_dict() for s in records], indent=2) + "\n")
-    elif format is Format.csv:
-        buffer = io.StringIO()
-        writer = csv.writer(buffer)
-        writer.writerow(STATS_COLUMNS)
-        writer.writerows(rows)
-        sys.stdout.write(buffer.getvalue())
-    elif format is Format.markdown:
-        lines = ["| " + " | ".join(STATS_COLUMNS) + " |", "|" + "|".join("---" for _ in STATS_COLUMNS) + "|"]
-        lines += ["| " + " | ".join(row) + " |" for row in rows]
-        sys.stdout.write("\n".join(lines) + f"\n\n{footer}\n")
-    else:
-        table = Table(caption=footer, caption_justify="left")
-        for i, column in enumerate(STATS_COLUMNS):
-            table.add_column(column, justify="left" if i < 2 else "right", no_wrap=i < 2)
-        for row in rows:
-            table.add_row(*row)
-        out.print(table)
 
 
 def _check_output(output: Path, force: bool) -> None:

@@ -1,8 +1,14 @@
-"""Stats: total and activated parameters of a spec, counted from the built model (meta device, no weights).
+"""Stats: total / activated parameters and MACs of a spec, and of its dense backbone for comparison.
 
-Activated parameters per routed item (BRIEF.md §7): everything outside the MoE layers, plus each MoE
-layer's router, shared experts and `top_k` of its routed experts. Shared tensors count once; buffers never.
-FLOP counting is the next stage (see the stats issue); these records are data, rendered by the CLI.
+Counting rules (BRIEF.md §7):
+- parameters are counted from the built model, each shared tensor once, buffers never;
+- activated parameters per routed item = everything outside MoE layers + routers + shared experts + top_k
+  routed experts per MoE layer;
+- MACs follow fvcore (one multiply-add = one flop) at batch 1 and the spec's input size; MoE layers are
+  costed as activated compute under perfect balance and no drops (see `flops.py`).
+
+The backbone is built and traced once per spec: the dense figures come from it before the rewrite, the MoE
+figures from the compiled model that shares its modules. Records are data; the CLI renders them.
 """
 
 from __future__ import annotations
@@ -12,19 +18,27 @@ from dataclasses import asdict, dataclass, field
 from torch import nn
 
 from .backbone import create_backbone
-from .compile import create_model, moe_layers
-from .spec import Spec
+from .compile import compile_model, moe_layers
+from .errors import Problem, SpecError
+from .flops import count_macs
+from .plan import plan_for
+from .spec import Spec, located
 
 
 @dataclass(frozen=True)
 class LayerStats:
+    """One MoE layer. `activated` says what one routed item is (a token / position here)."""
+
     path: str
     experts: int
     top_k: int
     shared_experts: int
     params: int  # router + shared + all routed experts
     activated_params: int  # router + shared + top_k routed experts
-    activated: str = "per token"  # what one routed item is
+    gmacs: float  # activated, per image
+    activated: str = "per token"
+    items: int = 0  # items routed per image
+    executed_gmacs: float | None = None  # with a capacity factor: every expert padded to capacity
 
 
 @dataclass(frozen=True)
@@ -36,12 +50,16 @@ class SpecStats:
     total_params: int
     activated_params: int
     dense_params: int
+    gmacs: float  # activated, per image
+    dense_gmacs: float
     moe_layers: int
     experts_total: int
     layers: list[LayerStats] = field(default_factory=list)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        record = asdict(self)
+        record["input_size"] = list(self.input_size)
+        return record
 
 
 def count_params(module: nn.Module) -> int:
@@ -49,28 +67,49 @@ def count_params(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())  # parameters() already yields each tensor once
 
 
-def stats(spec: Spec) -> SpecStats:
-    """Parameter counts of `spec`'s MoE model and of its dense backbone (both built on the meta device)."""
-    model = create_model(spec, device="meta")
-    total = count_params(model)
+def stats(spec: Spec, *, input_size: tuple[int, int, int] | None = None) -> SpecStats:
+    """Parameter and MAC counts of `spec` (at `input_size`, default the spec's) and of its dense backbone."""
+    if input_size is not None:
+        spec = spec.model_copy(update={"input_size": tuple(input_size)})
+    backbone = create_backbone(spec)
+    plan = plan_for(spec, backbone)
+    dense_params, dense_macs = count_params(backbone), _macs(spec, backbone, plan.input_size).total
+    model = compile_model(backbone, plan)
+    macs = _macs(spec, model, plan.input_size)
     layers = []
     for path, moe in moe_layers(model).items():
         routed = count_params(moe.experts)
         other = count_params(moe) - routed  # router + shared experts
-        per_expert = routed // moe.num_experts
-        shared = moe.shared.num_experts if moe.shared is not None else 0
-        layers.append(LayerStats(path, moe.num_experts, moe.top_k, shared, routed + other, other + moe.top_k * per_expert))
-    activated = total - sum(layer.params - layer.activated_params for layer in layers)
-    dense = count_params(create_backbone(spec, device="meta"))
+        executed = moe.executed_macs(macs.moe_items[path])
+        layers.append(LayerStats(
+            path=path, experts=moe.num_experts, top_k=moe.top_k,
+            shared_experts=moe.shared.num_experts if moe.shared is not None else 0,
+            params=routed + other, activated_params=other + moe.top_k * (routed // moe.num_experts),
+            gmacs=macs.moe_layers[path] / 1e9, items=macs.moe_items[path],
+            executed_gmacs=executed / 1e9 if executed is not None else None,
+        ))
+    total = count_params(model)
     return SpecStats(
         name=spec.name or spec.backbone.model,
         spec=spec.source or "",
         backbone=spec.backbone.model,
-        input_size=model.moespec_plan.input_size,
+        input_size=plan.input_size,
         total_params=total,
-        activated_params=activated,
-        dense_params=dense,
+        activated_params=total - sum(layer.params - layer.activated_params for layer in layers),
+        dense_params=dense_params,
+        gmacs=macs.total / 1e9,
+        dense_gmacs=dense_macs / 1e9,
         moe_layers=len(layers),
         experts_total=sum(layer.experts for layer in layers),
         layers=layers,
     )
+
+
+def _macs(spec: Spec, model: nn.Module, input_size: tuple[int, int, int]):
+    try:
+        return count_macs(model, input_size)
+    except (AssertionError, RuntimeError, ValueError) as error:  # e.g. ViT's patch embed on a wrong size
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise located(spec, SpecError(Problem(
+            f"the model cannot take input size {list(input_size)}: {reason}; models with a fixed input size "
+            f"take it as img_size in backbone.kwargs", path="input_size"))) from None

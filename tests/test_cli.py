@@ -91,6 +91,7 @@ def cli(tmp_path_factory) -> dict:
         "stats_json": moespec_argv("stats", str(SPECS), "--format", "json"),
         "stats_csv": moespec_argv("stats", str(SPECS), "--format", "csv"),
         "stats_markdown": moespec_argv("stats", str(SPECS), "-f", "markdown"),
+        "stats_mixed": moespec_argv("stats", str(folder), "-f", "csv", "--per-layer"),
     }
     env = {**os.environ, "NO_COLOR": "1", "OMP_NUM_THREADS": "1"}
     env.pop("FORCE_COLOR", None)
@@ -180,7 +181,14 @@ def test_stats_json(cli):
         "convnext-t-dense", "convnext-t-moe4-last2-top1", "convnext-t-moe8-last2-top1",
         "vit-s16-dense", "vit-s16-moe8-every2-top2", "vit-s16-moe8-last2-top2",
     ]
+    keys = ["name", "spec", "backbone", "input_size", "total_params", "activated_params", "dense_params", "gmacs",
+            "dense_gmacs", "moe_layers", "experts_total", "layers"]
     for record in records:
+        assert list(record) == keys
+        assert type(record["gmacs"]) is float and type(record["dense_gmacs"]) is float
+        for layer in record["layers"]:
+            assert {"path", "experts", "top_k", "shared_experts", "params", "activated_params", "gmacs",
+                    "activated"} <= set(layer)
         for key in ("total_params", "activated_params", "dense_params"):
             assert type(record[key]) is int and record[key] > 0, (record["name"], key)
     by_name = {r["name"]: r for r in records}
@@ -208,7 +216,8 @@ def test_stats_csv(cli):
     result = cli["results"]["stats_csv"]
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
-    assert lines[0] == "name,backbone,MoE layers,experts,params (M),activated (M),dense params (M)"
+    assert lines[0] == ("name,backbone,MoE layers,experts,params (M),activated (M),GMACs,dense params (M),"
+                        "dense GMACs")
     assert len(lines) == 1 + len(SPEC_FILES)
     assert lines[1].startswith("convnext-t-dense,convnext_tiny,0,0,")
 
@@ -217,8 +226,19 @@ def test_stats_markdown(cli):
     result = cli["results"]["stats_markdown"]
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
-    assert lines[0] == "| name | backbone | MoE layers | experts | params (M) | activated (M) | dense params (M) |"
-    assert lines[1] == "|---|---|---|---|---|---|---|"
+    assert lines[0] == ("| name | backbone | MoE layers | experts | params (M) | activated (M) | GMACs | "
+                        "dense params (M) | dense GMACs |")
+    assert lines[1] == "|---|---|---|---|---|---|---|---|---|"
     rows = [line for line in lines[2:] if line.startswith("| ")]
     assert len(rows) == len(SPEC_FILES)
     assert rows[4].startswith("| vit-s16-moe8-every2-top2 | vit_small_patch16_224 | 6 | 48 | ")
+
+
+def test_stats_reports_a_failing_spec_and_still_prints_the_others(cli):
+    result = cli["results"]["stats_mixed"]
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    assert result.stderr.startswith(f"moespec: error: {cli['folder'] / 'b_bad.yaml'}:")
+    lines = result.stdout.splitlines()
+    assert lines[0] == "name,module,experts,k,shared,items,params (M),activated (M),GMACs,executed GMACs"
+    assert lines[1:] == ["vit-s16-dense,(dense remainder),-,-,-,-,22.05,22.05,4.608,-"]

@@ -1,4 +1,4 @@
-"""Parameter counts against hand calculations (the stats issue adds FLOPs)."""
+"""Parameter counts against hand calculations (MACs: test_flops.py)."""
 
 from __future__ import annotations
 

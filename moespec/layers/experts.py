@@ -99,8 +99,10 @@ class Experts(nn.Module):
         return self.fc2.out_features
 
     def macs_per_item(self) -> int:
-        """Multiply-adds of one expert on one routed item (fc1 + fc2; elementwise ops are not MACs)."""
-        return self.fc1.in_features * self.fc1.out_features + self.fc2.in_features * self.fc2.out_features
+        """MACs of one expert on one item, in fvcore's convention: fc1 + fc2 (+ 5 per unit for an inner
+        LayerNorm, as fvcore counts affine norms); activations, gating and GRN are elementwise (not counted)."""
+        norm = 5 * self.hidden if self.inner_norm in ("layernorm", "layernorm_before_act") else 0
+        return self.fc1.in_features * self.fc1.out_features + self.fc2.in_features * self.fc2.out_features + norm
 
     def forward(self, x: torch.Tensor, counts: Sequence[int], groups: torch.Tensor | None = None) -> torch.Tensor:
         """Run expert e on rows `x[offset_e : offset_e + counts[e]]`.

@@ -67,9 +67,22 @@ class MoE(nn.Module):
         return math.ceil(self.capacity_factor * self.top_k * items / self.num_experts)
 
     def macs_per_item(self) -> int:
-        """Activated multiply-adds per routed item: router + k routed experts + shared experts."""
+        """Activated MACs per routed item under perfect balance and no drops: the router, k routed experts,
+        the shared experts, and the weighted combine (k multiply-adds per output feature)."""
         shared = self.shared.num_experts * self.shared.macs_per_item() if self.shared is not None else 0
-        return self.router.macs_per_item() + self.top_k * self.experts.macs_per_item() + shared
+        combine = self.top_k * self.experts.out_features
+        return self.router.macs_per_item() + self.top_k * self.experts.macs_per_item() + shared + combine
+
+    def executed_macs(self, items: int) -> int | None:
+        """MACs the layer executes for `items` items with capacity padding (None when dropless): every
+        expert runs its full capacity, and the combine covers every executed row."""
+        capacity = self.capacity(items)
+        if capacity is None:
+            return None
+        rows = self.num_experts * capacity
+        shared = self.shared.num_experts * self.shared.macs_per_item() if self.shared is not None else 0
+        routed = rows * (self.experts.macs_per_item() + self.experts.out_features)
+        return items * (self.router.macs_per_item() + shared) + routed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         channels_last = x if self.channels_dim in (-1, x.dim() - 1) else x.movedim(self.channels_dim, -1)

@@ -116,5 +116,13 @@ def test_layer_records_last_forward_and_gradients_reach_gate_and_used_experts():
 
 def test_macs_per_item_counts_router_and_k_experts():
     moe = _moe(dim=6, hidden=5, experts=4, top_k=2, shared=1)
-    # router 6*4 + k=2 experts of (6*5 + 5*6) + 1 shared expert of (6*5 + 5*6)
-    assert moe.macs_per_item() == 24 + 2 * 60 + 60
+    # router 6*4 + k=2 experts of (6*5 + 5*6) + 1 shared expert of (6*5 + 5*6) + combine k*6
+    assert moe.macs_per_item() == 24 + 2 * 60 + 60 + 2 * 6
+
+
+def test_executed_macs_pad_every_expert_to_capacity():
+    moe = _moe(dim=6, hidden=5, experts=4, top_k=2, capacity_factor=1.5)
+    capacity = math.ceil(1.5 * 2 * 10 / 4)  # 8 rows per expert for 10 items
+    # router on every item + 4 experts x 8 rows x (expert 60 + combine 6)
+    assert moe.executed_macs(10) == 10 * 24 + 4 * capacity * (60 + 6)
+    assert _moe(capacity_factor=None).executed_macs(10) is None
