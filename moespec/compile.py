@@ -18,7 +18,7 @@ from torch import fx, nn
 from .backbone import create_backbone
 from .build import build_moe
 from .errors import MoespecError
-from .layers import MoE
+from .layers import MOE_LAYERS
 from .plan import Plan, plan_for
 from .spec import Spec
 
@@ -100,4 +100,4 @@ def create_model(spec: Spec, *, device: str | torch.device = "cpu") -> fx.GraphM
 
 def moe_layers(model: nn.Module) -> dict[str, nn.Module]:
     """The MoE layers of a compiled model, by qualified name."""
-    return {name: m for name, m in model.named_modules() if isinstance(m, MoE)}
+    return {name: m for name, m in model.named_modules() if isinstance(m, MOE_LAYERS)}

@@ -3,8 +3,9 @@
 fvcore's default handles count linear / conv / matmul / einsum / norms; `FLOP_HANDLES` layers the ops it
 misses on top, in one table. MoE layers are not traced: during counting each one is swapped for a
 shape-only stand-in that records how many items it would route, and is costed analytically by
-`MoE.macs_per_item()` (router + k experts + shared experts + the weighted combine), so the figure is the
-activated cost under perfect balance and never depends on one input's random routing.
+the layer's `activated_macs(items, images)` (gate, routed rows through their experts plus the weighted
+combine, shared experts; Soft MoE: logits, dispatch, combine and slot FFNs), so the figure is the activated
+cost under perfect balance and never depends on one input's random routing.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ with warnings.catch_warnings():  # fvcore scripts a focal loss at import; torch 
     from fvcore.nn import FlopCountAnalysis
     from fvcore.nn.jit_handles import get_shape
 
-from .layers import MoE
+from .layers import MOE_LAYERS
 
 
 def scaled_dot_product_attention_flop(inputs: list[Any], outputs: list[Any]) -> int:
@@ -56,6 +57,7 @@ class MacCount:
     backbone: int  # everything fvcore traced (MoE layers excluded)
     moe_layers: dict[str, int]  # activated MACs per MoE layer
     moe_items: dict[str, int]  # items routed per MoE layer
+    moe_images: dict[str, int]  # images (sequences) per MoE layer: 1 at batch 1
     unsupported: dict[str, int]  # ops fvcore saw but did not count, with their call counts
 
     @property
@@ -65,7 +67,7 @@ class MacCount:
 
 def count_macs(model: nn.Module, input_size: tuple[int, int, int]) -> MacCount:
     """Count MACs of `model` on one image of `input_size` (eval mode, real weights needed for the trace)."""
-    layers = {name: m for name, m in model.named_modules() if isinstance(m, MoE)}
+    layers = {name: m for name, m in model.named_modules() if isinstance(m, MOE_LAYERS)}
     was_training = model.training
     model.eval()
     try:
@@ -81,16 +83,18 @@ def count_macs(model: nn.Module, input_size: tuple[int, int, int]) -> MacCount:
     finally:
         model.train(was_training)
     items = {name: m.last_items for name, m in layers.items()}
-    return MacCount(backbone, {name: items[name] * m.macs_per_item() for name, m in layers.items()}, items, unsupported)
+    images = {name: m.last_images for name, m in layers.items()}
+    macs = {name: m.activated_macs(items[name], images[name]) for name, m in layers.items()}
+    return MacCount(backbone, macs, items, images, unsupported)
 
 
 @contextlib.contextmanager
-def _shape_only(layers: Iterator[MoE]) -> Iterator[None]:
+def _shape_only(layers: Iterator[nn.Module]) -> Iterator[None]:
     """Swap each MoE layer's forward for one that returns zeros of the output shape, recording its items."""
 
-    def forward(self: MoE, x: torch.Tensor) -> torch.Tensor:
+    def forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
         channels = x.shape[self.channels_dim]
-        self.last_items = int(x.numel()) // int(channels)
+        self.last_items, self.last_images = int(x.numel()) // int(channels), int(x.shape[0])
         shape = list(x.shape)
         shape[self.channels_dim] = self.experts.out_features
         return torch.zeros(shape, dtype=x.dtype, device=x.device)

@@ -37,11 +37,23 @@ class LayerPlan:
     router: Router
     capacity_factor: float | None
     aux_losses: tuple[AuxLoss, ...]
+    pool: str | None = None  # image routing: "cls" or "mean"
 
     @property
     def router_name(self) -> str:
-        router = self.router
-        return f"{router.kind}/{router.gate}" + (" norm" if router.normalize else "")
+        """A short description, e.g. `topk/linear norm`, `expert_choice/linear c=2`, `soft p=1`, `image/cls`."""
+        r = self.router
+        if r.kind == "soft":
+            return f"soft p={r.slots_per_expert}"
+        name = f"{r.kind}/{r.gate.kind}"
+        if r.kind == "expert_choice":
+            return f"{name} c={r.capacity:g}"
+        if r.kind == "image":
+            return f"image/{self.pool}/{r.gate.kind}" + (" norm" if r.normalize else "")
+        extras = [("norm", r.normalize), ("noise", bool(r.noise)), ("bpr", r.bpr),
+                  (f"drop={r.drop_fraction:g}", r.drop_fraction > 0),
+                  (f"cf={self.capacity_factor}", self.capacity_factor is not None)]
+        return " ".join([name] + [label for label, on in extras if on])
 
 
 @dataclass(frozen=True)
@@ -88,6 +100,7 @@ def plan_for(spec: Spec, model: nn.Module) -> Plan:
     except SpecError as error:
         raise located(spec, error) from None
     modules = dict(model.named_modules())
+    has_cls = getattr(model, "cls_token", None) is not None  # timm ViTs put it first in the sequence
     problems: list[Problem] = []
     layers: dict[str, LayerPlan] = {}
     for index, group in enumerate(spec.moe):
@@ -109,7 +122,7 @@ def plan_for(spec: Spec, model: nn.Module) -> Plan:
                     spec, f"moe.{index}.where",
                     f"{path} is already an MoE layer from moe.{layers[path].group}; each FFN can be replaced once"))
                 continue
-            layer = _layer_plan(spec, index, group, block_index, path, modules[path], problems)
+            layer = _layer_plan(spec, index, group, block_index, path, modules[path], problems, has_cls)
             if layer is not None:
                 layers[path] = layer
     if problems:
@@ -119,8 +132,15 @@ def plan_for(spec: Spec, model: nn.Module) -> Plan:
 
 
 def _layer_plan(spec: Spec, index: int, group: MoEGroup, block: int, path: str, ffn: nn.Module,
-                problems: list[Problem]) -> LayerPlan | None:
+                problems: list[Problem], has_cls: bool) -> LayerPlan | None:
     shape = find_adapter(ffn).shape(ffn)
+    pool = None
+    if group.router.kind == "image":
+        pool = group.router.pool or ("cls" if has_cls else "mean")
+        if pool == "cls" and not has_cls:
+            problems.append(spec_problem(spec, f"moe.{index}.router.pool",
+                                         f"{spec.backbone.model} has no [CLS] token; use pool: mean"))
+            return None
     hidden = shape.hidden
     if group.expert_hidden is not None:
         hidden = group.expert_hidden
@@ -138,7 +158,7 @@ def _layer_plan(spec: Spec, index: int, group: MoEGroup, block: int, path: str, 
         in_features=shape.in_features, dense_hidden=shape.hidden, expert_hidden=hidden,
         out_features=shape.out_features, channels_dim=shape.channels_dim,
         experts=group.experts, top_k=group.top_k, shared_experts=group.shared_experts,
-        router=group.router, capacity_factor=group.capacity_factor, aux_losses=tuple(group.aux_loss),
+        router=group.router, capacity_factor=group.capacity_factor, aux_losses=tuple(group.aux_loss), pool=pool,
     )
 
 

@@ -20,7 +20,7 @@ from typing import Annotated, Any, Literal, Optional, Union, get_args, get_origi
 
 import yaml
 from pydantic import (BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, PrivateAttr, Tag, ValidationError,
-                      ValidationInfo, field_validator)
+                      ValidationInfo, field_validator, model_validator)
 
 from .errors import Problem, SpecError, did_you_mean
 from .selectors import SELECTORS, Where
@@ -62,17 +62,78 @@ class Backbone(SpecModel):
         return kwargs
 
 
+class Gate(SpecModel):
+    """How router logits are computed from an item (BRIEF.md §1).
+
+    `linear`: `W_g x` (a 1x1 conv on feature maps). `cosine`: project x to `dim`, cosine similarity with
+    learned per-expert codes, divided by `temperature` (Chi et al. 2022). `l2`: the same with the negative L2
+    distance.
+    """
+
+    kind: Literal["linear", "cosine", "l2"] = "linear"
+    dim: Optional[PositiveInt] = None
+    """Projection width of cosine / l2 gates; default 16 (X-MoE)."""
+    temperature: Optional[PositiveFloat] = None
+    """Divides cosine / l2 logits; default 0.07."""
+
+    @model_validator(mode="after")
+    def _projection_only_for_cosine_l2(self) -> "Gate":
+        if self.kind == "linear" and (self.dim is not None or self.temperature is not None):
+            raise ValueError("dim and temperature apply to cosine and l2 gates only")
+        return self
+
+
+def _gate(value: Any) -> Any:
+    """`gate: cosine` is short for `gate: {kind: cosine}`."""
+    return {"kind": value} if isinstance(value, str) else value
+
+
+GateSpec = Annotated[Gate, BeforeValidator(_gate)]
+
+
 class TopKRouter(SpecModel):
     """Token choice: every routed item picks its `top_k` experts (Shazeer et al. 2017)."""
 
     kind: Literal["topk"] = "topk"
-    gate: Literal["linear"] = "linear"
-    """How router logits are computed from an item: `linear` is `W_g x` (a 1x1 conv on feature maps)."""
+    gate: GateSpec = Gate()
     normalize: bool = False
     """Renormalize the k selected gate values to sum to 1 (makes an upcycled model exactly dense)."""
+    noise: Union[bool, NonNegativeFloat] = False
+    """Noisy top-k (training only): `true` adds N(0, (1/E)^2) to the logits; a number sets the std."""
+    bpr: bool = False
+    """Batch prioritized routing: with a capacity factor, fill capacity by highest gate value, not position."""
+    drop_fraction: Annotated[float, Field(ge=0, lt=1)] = 0.0
+    """Importance-score routing (Sparse-MLP): the items with the lowest top-1 gate value, this fraction of
+    them, are not dispatched at all."""
 
 
-ROUTER_SPECS = {"topk": TopKRouter}
+class ExpertChoiceRouter(SpecModel):
+    """Expert choice (Zhou et al. 2022): each expert takes its top C = capacity * T / E items."""
+
+    kind: Literal["expert_choice"]
+    gate: GateSpec = Gate()
+    capacity: PositiveFloat = 1.0
+    """c: on average each item is processed by c experts."""
+
+
+class SoftRouter(SpecModel):
+    """Soft MoE (Puigcerver et al. 2024): every slot is a convex combination of all tokens of a sequence."""
+
+    kind: Literal["soft"]
+    slots_per_expert: PositiveInt = 1
+
+
+class ImageRouter(SpecModel):
+    """Image-level routing (ViMoE): one gate decision per image, from its [CLS] token or mean token."""
+
+    kind: Literal["image"]
+    gate: GateSpec = Gate()
+    normalize: bool = False
+    pool: Optional[Literal["cls", "mean"]] = None
+    """Which vector the gate reads; default: `cls` where the model has a [CLS] token, else `mean`."""
+
+
+ROUTER_SPECS = {"topk": TopKRouter, "expert_choice": ExpertChoiceRouter, "soft": SoftRouter, "image": ImageRouter}
 """Router kind -> its spec model; `layers.routers.ROUTERS` holds the matching modules."""
 
 
@@ -90,7 +151,7 @@ Router = Annotated[
 class AuxLoss(SpecModel):
     """A load-balancing loss of the layer's last forward, added by `moespec.aux_loss(model)`."""
 
-    kind: Literal["importance_load", "switch"] = "importance_load"
+    kind: Literal["importance_load", "switch", "z_loss"] = "importance_load"
     weight: NonNegativeFloat = 0.01
 
 
@@ -115,7 +176,8 @@ class MoEGroup(SpecModel):
     """Always-active experts whose output is added to the routed output (ViMoE)."""
     router: Router = TopKRouter()
     capacity_factor: Optional[PositiveFloat] = None
-    """Each expert takes at most ceil(capacity_factor * top_k * T / experts) of T items; null = dropless."""
+    """topk only: each expert takes at most ceil(capacity_factor * top_k * T / experts) of T items;
+    null = dropless."""
     aux_loss: Annotated[list[AuxLoss], BeforeValidator(_as_list)] = [AuxLoss()]
     """One aux loss or a list of them; stored as a list."""
 
@@ -126,6 +188,29 @@ class MoEGroup(SpecModel):
         if experts is not None and top_k > experts:
             raise ValueError(f"top_k ({top_k}) must be between 1 and experts ({experts})")
         return top_k
+
+    @model_validator(mode="before")
+    @classmethod
+    def _soft_moe_has_no_aux_loss(cls, data: Any) -> Any:
+        """Soft MoE needs no load balancing (BRIEF.md §5): its default aux loss is none."""
+        if isinstance(data, dict) and _router_kind(data.get("router") or {}) == "soft" and "aux_loss" not in data:
+            data = {**data, "aux_loss": []}
+        return data
+
+    @model_validator(mode="after")
+    def _router_fits_group(self) -> "MoEGroup":
+        kind = self.router.kind
+        if kind in ("expert_choice", "soft") and self.top_k != 1:
+            raise ValueError(f"top_k does not apply to {kind} routers"
+                             + ("; set router.capacity instead" if kind == "expert_choice" else ""))
+        if self.capacity_factor is not None and kind != "topk":
+            raise ValueError(f"capacity_factor applies to topk routers only, not {kind}"
+                             + ("; set router.capacity instead" if kind == "expert_choice" else ""))
+        if kind == "topk" and self.router.bpr and self.capacity_factor is None:
+            raise ValueError("router.bpr (batch prioritized routing) needs a capacity_factor")
+        if kind == "soft" and self.aux_loss:
+            raise ValueError("Soft MoE has no load-balancing loss; remove aux_loss")
+        return self
 
     @field_validator("expert_mlp_ratio")
     @classmethod
@@ -207,6 +292,12 @@ def _validate(data: dict, positions: Positions, file: str | None) -> Spec:
     return spec
 
 
+def _node(data: Any, path: list[Any]) -> Any:
+    for part in path:
+        data = data[part] if isinstance(data, (dict, list)) else None
+    return data
+
+
 def _problem(error: dict, data: Any, positions: Positions, file: str | None) -> Problem:
     """Turn one pydantic error into a Problem at the YAML node it is about.
 
@@ -228,15 +319,15 @@ def _problem(error: dict, data: Any, positions: Positions, file: str | None) -> 
         else:
             continue
         path.append(part)
-    message = _message(error, path)
+    message = _message(error, path, data)
     line, column = positions.find(path)
     return Problem(message, path=".".join(str(p) for p in path), file=file, line=line, column=column)
 
 
-def _message(error: dict, path: list[Any]) -> str:
+def _message(error: dict, path: list[Any], data: Any) -> str:
     kind, msg = error["type"], error["msg"]
     if kind == "extra_forbidden":
-        allowed = _allowed_keys(Spec, path[:-1])
+        allowed = _allowed_keys(Spec, path[:-1], _node(data, path[:-1]))
         hint = did_you_mean(path[-1], allowed) if allowed else ""
         return f"unknown key {path[-1]!r}; allowed: {', '.join(allowed)}{hint}"
     if kind == "missing":
@@ -262,8 +353,9 @@ def _leaf_types(annotation: Any) -> list[Any]:
     return [annotation]
 
 
-def _allowed_keys(model: type[BaseModel], path: list[Any]) -> list[str]:
-    """The keys a mapping at `path` of the document may have, found by walking the spec's types."""
+def _allowed_keys(model: type[BaseModel], path: list[Any], node: Any = None) -> list[str]:
+    """The keys the mapping `node` at `path` of the document may have, found by walking the spec's types;
+    among the members of a `kind`-discriminated union, only the one `node` names."""
     candidates: list[Any] = [model]
     for part in path:
         following = []
@@ -275,10 +367,13 @@ def _allowed_keys(model: type[BaseModel], path: list[Any]) -> list[str]:
             elif get_origin(t) is dict:
                 following.append(get_args(t)[1])
         candidates = following
+    models = [t for c in candidates for t in _leaf_types(c) if isinstance(t, type) and issubclass(t, BaseModel)]
+    if isinstance(node, dict) and all("kind" in m.model_fields for m in models):
+        kind = node.get("kind", models[0].model_fields["kind"].default)
+        models = [m for m in models if kind in get_args(m.model_fields["kind"].annotation)] or models
     keys: list[str] = []
-    for t in (leaf for c in candidates for leaf in _leaf_types(c)):
-        if isinstance(t, type) and issubclass(t, BaseModel):
-            keys += [k for k in t.model_fields if k not in keys]
+    for m in models:
+        keys += [k for k in m.model_fields if k not in keys]
     return keys
 
 

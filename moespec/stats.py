@@ -76,18 +76,7 @@ def stats(spec: Spec, *, input_size: tuple[int, int, int] | None = None) -> Spec
     dense_params, dense_macs = count_params(backbone), _macs(spec, backbone, plan.input_size).total
     model = compile_model(backbone, plan)
     macs = _macs(spec, model, plan.input_size)
-    layers = []
-    for path, moe in moe_layers(model).items():
-        routed = count_params(moe.experts)
-        other = count_params(moe) - routed  # router + shared experts
-        executed = moe.executed_macs(macs.moe_items[path])
-        layers.append(LayerStats(
-            path=path, experts=moe.num_experts, top_k=moe.top_k,
-            shared_experts=moe.shared.num_experts if moe.shared is not None else 0,
-            params=routed + other, activated_params=other + moe.top_k * (routed // moe.num_experts),
-            gmacs=macs.moe_layers[path] / 1e9, items=macs.moe_items[path],
-            executed_gmacs=executed / 1e9 if executed is not None else None,
-        ))
+    layers = [_layer_stats(path, moe, plan.layer(path), macs) for path, moe in moe_layers(model).items()]
     total = count_params(model)
     return SpecStats(
         name=spec.name or spec.backbone.model,
@@ -102,6 +91,30 @@ def stats(spec: Spec, *, input_size: tuple[int, int, int] | None = None) -> Spec
         moe_layers=len(layers),
         experts_total=sum(layer.experts for layer in layers),
         layers=layers,
+    )
+
+
+def _layer_stats(path: str, moe: nn.Module, layer, macs) -> LayerStats:
+    """Params and MACs of one MoE layer. Activated params: the router, the shared experts and the routed
+    experts one routed unit uses: top_k per token, top_k per image (image routing), c on average (expert
+    choice), every expert (Soft MoE: each token reaches every slot)."""
+    routed = count_params(moe.experts)
+    other = count_params(moe) - routed  # router (or Soft MoE's Phi and scale) + shared experts
+    per_expert = routed // moe.num_experts
+    kind = layer.router.kind
+    if kind == "expert_choice":
+        c = layer.router.capacity
+        used, activated = round(c * per_expert), f"per token, on average (c = {c:g} experts)"
+    elif kind == "soft":
+        used, activated = routed, "per sequence (every slot sees every token)"
+    else:
+        used, activated = moe.top_k * per_expert, "per image" if kind == "image" else "per token"
+    items, images = macs.moe_items[path], macs.moe_images[path]
+    executed = moe.executed_macs(items, images)
+    return LayerStats(
+        path=path, experts=moe.num_experts, top_k=moe.top_k, shared_experts=layer.shared_experts,
+        params=routed + other, activated_params=other + used, gmacs=macs.moe_layers[path] / 1e9, activated=activated,
+        items=items, executed_gmacs=executed / 1e9 if executed is not None else None,
     )
 
 

@@ -17,6 +17,7 @@ from .adapters import adapter_named
 from .backbone import create_backbone
 from .checkpoint import check_state_dict, read_state_dict
 from .compile import create_model, moe_layers
+from .layers import SoftMoE
 from .errors import MoespecError
 from .plan import LayerPlan, Plan
 from .spec import Spec
@@ -106,11 +107,12 @@ def _upcycle_layer(moe: nn.Module, layer: LayerPlan, ffn_state: dict[str, torch.
     _fill(moe.experts, [adapter.expert_state(ffn_state, u) for u in units], options.noise, generator)
     if moe.shared is not None:
         _fill(moe.shared, [adapter.expert_state(ffn_state, leading)] * layer.shared_experts, options.noise, generator)
-    gate = moe.router.gate.weight
-    if options.router_init == "zeros":
-        gate.zero_()
-    else:
-        gate.copy_(torch.randn(gate.shape, generator=generator) * 0.02)
+    router = [moe.phi] if isinstance(moe, SoftMoE) else list(moe.router.parameters())
+    for weight in router:
+        if options.router_init == "zeros":
+            weight.zero_()
+        else:
+            weight.copy_(torch.randn(weight.shape, generator=generator) * 0.02)
 
 
 def _fill(bank: nn.Module, experts: list[dict[str, torch.Tensor]], noise: float, generator: torch.Generator) -> None:

@@ -11,7 +11,7 @@ from pydantic import ValidationError
 import moespec
 from moespec import Spec, SpecError, load_spec
 from moespec.selectors import Blocks, Every, StageLast, Stages
-from moespec.spec import AuxLoss, TopKRouter, Upcycle
+from moespec.spec import AuxLoss, Gate, TopKRouter, Upcycle
 
 from .conftest import line_of, write
 
@@ -58,7 +58,7 @@ def test_example_spec_from_the_issue_validates_with_defaults():
     assert group.sublayer == "mlp"
     assert (group.experts, group.top_k, group.shared_experts) == (8, 2, 0)
     assert group.expert_hidden is None and group.expert_mlp_ratio is None
-    assert group.router == TopKRouter(kind="topk", gate="linear", normalize=False)
+    assert group.router == TopKRouter(kind="topk", gate=Gate(kind="linear"), normalize=False)
     assert group.capacity_factor is None
     assert group.aux_loss == [AuxLoss(kind="importance_load", weight=0.01)]
     assert spec.upcycle == Upcycle(router_init="normal", noise=0.0, split="slice")
@@ -79,7 +79,7 @@ def test_minimal_spec_gets_every_default(tmp_path):
     assert group.top_k == 1
     assert group.sublayer == "mlp"
     assert group.router.kind == "topk"
-    assert group.router.gate == "linear"
+    assert group.router.gate == Gate(kind="linear", dim=None, temperature=None)
     assert group.router.normalize is False
     assert group.capacity_factor is None
     assert group.shared_experts == 0
@@ -105,7 +105,7 @@ moe:
 """
     router = load_spec(write(tmp_path, text)).moe[0].router
     assert isinstance(router, TopKRouter)
-    assert (router.kind, router.gate, router.normalize) == ("topk", "linear", True)
+    assert (router.kind, router.gate.kind, router.normalize) == ("topk", "linear", True)
 
 
 def test_selector_forms_parse_to_their_models(tmp_path):
@@ -234,7 +234,8 @@ moe:
     problem = only_problem(path)
     assert (problem.file, problem.line, problem.path) == (str(path), line_of(text, "normalise"), "moe.0.router.normalise")
     assert problem.column == column_of(text, "normalise")
-    assert problem.message == "unknown key 'normalise'; allowed: kind, gate, normalize; did you mean 'normalize'?"
+    assert problem.message == ("unknown key 'normalise'; allowed: kind, gate, normalize, noise, bpr, drop_fraction; "
+                               "did you mean 'normalize'?")
 
 
 def test_unknown_router_kind_names_the_kinds_without_internals(tmp_path):
@@ -243,13 +244,14 @@ backbone: {model: vit_small_patch16_224}
 moe:
   - where: {every: 2}
     experts: 8
-    router: {kind: expert_choice}
+    router: {kind: token_choice}
 """
     path = write(tmp_path, text)
     problem = only_problem(path)
     assert (problem.line, problem.path) == (line_of(text, "router:"), "moe.0.router")
-    assert "'expert_choice'" in problem.message
-    assert "'topk'" in problem.message
+    assert "'token_choice'" in problem.message
+    for kind in ("'topk'", "'expert_choice'", "'soft'", "'image'"):
+        assert kind in problem.message
     # the message is for spec authors: it must not leak moespec's private function names
     assert "_router_kind" not in problem.message
 

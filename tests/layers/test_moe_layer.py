@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moespec.layers import Experts, MoE, Routing, TopKRouter
-from moespec.layers.routers import importance_load_loss, switch_loss
+from moespec.layers import Experts, LinearGate, MoE, Routing, TopKRouter
+from moespec.layers.routers import importance_load_loss, switch_loss, z_loss
 
 
 def _moe(dim=6, hidden=5, experts=4, top_k=2, normalize=False, shared=0, capacity_factor=None, seed=0):
@@ -22,9 +22,9 @@ def _moe(dim=6, hidden=5, experts=4, top_k=2, normalize=False, shared=0, capacit
     if shared_bank is not None:
         for p in shared_bank.parameters():
             nn.init.normal_(p, std=0.5)
-    router = TopKRouter(dim, experts, top_k, normalize=normalize)
+    router = TopKRouter(LinearGate(dim, experts), experts, top_k, normalize=normalize, capacity_factor=capacity_factor)
     nn.init.normal_(router.gate.weight, std=1.0)
-    return MoE(router, bank, shared_bank, capacity_factor=capacity_factor, aux_loss_weights={"importance_load": 0.01})
+    return MoE(router, bank, shared_bank, aux_loss_weights={"importance_load": 0.01})
 
 
 def _expert(bank: Experts, e: int, x: torch.Tensor) -> torch.Tensor:
@@ -64,7 +64,7 @@ def test_capacity_keeps_first_items_in_order_and_zeroes_dropped():
     x[..., 0] = x[..., 0].abs() + 1  # positive feature 0 -> expert 2 wins for every item
     y = moe(x)
     capacity = math.ceil(1.0 * 1 * 10 / 4)  # ceil(c * k * T / E) = 3
-    assert moe.capacity(10) == capacity
+    assert moe.router.capacity(10) == capacity
     kept = y[0, :capacity]
     expected = torch.stack([_expert(moe.experts, 2, x[0, t : t + 1])[0] for t in range(capacity)])
     weights = moe.router.gate(x[0, :capacity]).softmax(-1)[:, 2:3]
@@ -92,37 +92,42 @@ def test_channels_first_layout_equals_channels_last():
 def test_aux_losses_hand_computed():
     # 4 items, 2 experts; probs chosen by hand, top-1 routing.
     probs = torch.tensor([[0.9, 0.1], [0.8, 0.2], [0.3, 0.7], [0.6, 0.4]])
-    routing = Routing(probs.log(), probs, probs.topk(1, -1).indices, probs.topk(1, -1).values)
+    top1 = probs.argmax(-1)
+    load = torch.bincount(top1, minlength=2).float()
+    routing = Routing(probs, probs.log(), torch.arange(4), load.long(), probs.max(-1).values, top1,
+                      probs.max(-1).values, load, torch.ones(4, dtype=torch.bool))
     # importance = [2.6, 1.4]: mean 2, population var 0.36 -> CV^2 = 0.09
     # load (top-1 counts) = [3, 1]: mean 2, var 1 -> CV^2 = 0.25; L = (0.09 + 0.25) / 2 = 0.17
     assert importance_load_loss(routing).item() == pytest.approx(0.17, abs=1e-6)
     # switch: f = [0.75, 0.25], P = [0.65, 0.35]; E * sum f_i P_i = 2 * (0.4875 + 0.0875) = 1.15
     assert switch_loss(routing).item() == pytest.approx(1.15, abs=1e-6)
+    # z-loss: logits = log(probs), so logsumexp = log(sum probs) = 0 for every item
+    assert z_loss(routing).item() == pytest.approx(0.0, abs=1e-6)
 
 
 def test_layer_records_last_forward_and_gradients_reach_gate_and_used_experts():
     moe = _moe(experts=4, top_k=2).train()
     x = torch.randn(2, 9, 6)
     y = moe(x)
-    assert set(moe.aux_losses) == {"importance_load", "switch"}
-    assert moe.last_items == 18 and moe.last_routing.experts.shape == (18, 2)
+    assert set(moe.aux_losses) == {"importance_load", "switch", "z_loss"}
+    assert moe.last_items == 18 and moe.last_routing.item.shape == (36,)
     (y.square().mean() + moe.weighted_aux_loss()).backward()
     assert moe.router.gate.weight.grad.abs().sum() > 0
-    used = moe.last_routing.experts.unique().tolist()
+    used = [e for e, count in enumerate(moe.last_routing.counts.tolist()) if count > 0]
     for e in range(4):
         grad = moe.experts.fc1.weight.grad[e].abs().sum()
         assert (grad > 0) == (e in used)
 
 
-def test_macs_per_item_counts_router_and_k_experts():
+def test_activated_macs_count_router_k_experts_combine_and_shared():
     moe = _moe(dim=6, hidden=5, experts=4, top_k=2, shared=1)
-    # router 6*4 + k=2 experts of (6*5 + 5*6) + 1 shared expert of (6*5 + 5*6) + combine k*6
-    assert moe.macs_per_item() == 24 + 2 * 60 + 60 + 2 * 6
+    # per item: router 6*4 + k=2 experts of (6*5 + 5*6) + combine k*6 + 1 shared expert of (6*5 + 5*6)
+    assert moe.activated_macs(10, 2) == 10 * (24 + 2 * 60 + 2 * 6 + 60)
 
 
 def test_executed_macs_pad_every_expert_to_capacity():
     moe = _moe(dim=6, hidden=5, experts=4, top_k=2, capacity_factor=1.5)
     capacity = math.ceil(1.5 * 2 * 10 / 4)  # 8 rows per expert for 10 items
     # router on every item + 4 experts x 8 rows x (expert 60 + combine 6)
-    assert moe.executed_macs(10) == 10 * 24 + 4 * capacity * (60 + 6)
-    assert _moe(capacity_factor=None).executed_macs(10) is None
+    assert moe.executed_macs(10, 1) == 10 * 24 + 4 * capacity * (60 + 6)
+    assert _moe(capacity_factor=None).executed_macs(10, 1) is None

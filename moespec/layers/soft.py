@@ -1,0 +1,102 @@
+"""Soft MoE (Puigcerver et al. 2024, "From Sparse to Soft Mixtures of Experts"; BRIEF.md §5).
+
+For each sequence X [N, C] of one image, with n experts of p slots each (S = n * p slots):
+
+    logits = l2norm(X) @ (scale * l2norm(Phi))      [N, S]   Phi: [C, S], normalized over C
+    D = softmax over tokens (dim 0)                 each slot is a convex combination of all tokens
+    C = softmax over slots (dim 1)                  each output token is a convex combination of all slots
+    X~ = D^T X                                      [S, C]   slot inputs; expert i takes slots i*p .. i*p+p-1
+    Y = C Y~                                        [N, C']  Y~ = the experts' slot outputs
+
+No token is dropped, there is no load-balancing loss, and the cost follows the number of slots, not experts.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .experts import Experts
+
+
+class SoftMoE(nn.Module):
+    """Soft MoE over the items of each image.
+
+    Args:
+        experts: the `Experts` bank (n experts).
+        slots_per_expert: p.
+        shared: always-active experts added to the output, or None.
+        channels_dim: -1 for [..., C] inputs, 1 for [B, C, H, W].
+    """
+
+    def __init__(self, experts: Experts, slots_per_expert: int = 1, shared: Experts | None = None, *,
+                 channels_dim: int = -1):
+        super().__init__()
+        self.experts, self.shared, self.channels_dim = experts, shared, channels_dim
+        self.slots_per_expert = slots_per_expert
+        slots = experts.num_experts * slots_per_expert
+        self.phi = nn.Parameter(torch.empty(experts.in_features, slots))
+        nn.init.normal_(self.phi, std=experts.in_features ** -0.5)  # LeCun normal, as in the paper
+        self.scale = nn.Parameter(torch.ones(()))
+        self.aux_losses: dict[str, torch.Tensor] = {}  # Soft MoE needs no load balancing
+        self.last_dispatch: torch.Tensor | None = None
+        self.last_items = self.last_images = 0
+
+    @property
+    def num_experts(self) -> int:
+        return self.experts.num_experts
+
+    @property
+    def slots(self) -> int:
+        return self.phi.shape[1]
+
+    top_k = 1  # for reporting: every token reaches every slot softly
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        channels_last = x if self.channels_dim in (-1, x.dim() - 1) else x.movedim(self.channels_dim, -1)
+        images, dim = x.shape[0], channels_last.shape[-1]
+        tokens = channels_last.reshape(images, -1, dim)  # [B, N, C]
+        dispatch, combine = self.weights(tokens)
+        slot_inputs = torch.einsum("bns,bnc->bsc", dispatch, tokens)  # [B, S, C]
+        experts, p = self.num_experts, self.slots_per_expert
+        rows = slot_inputs.reshape(images, experts, p, dim).transpose(0, 1).reshape(experts * images * p, dim)
+        out = self.experts(rows, [images * p] * experts)
+        slot_outputs = out.reshape(experts, images, p, -1).transpose(0, 1).reshape(images, self.slots, -1)
+        y = torch.einsum("bns,bsc->bnc", combine, slot_outputs)
+        if self.shared is not None:
+            y = y + self.shared.forward_all(tokens.reshape(-1, dim)).reshape(images, tokens.shape[1], -1)
+        self.last_dispatch, self.last_items, self.last_images = dispatch, images * tokens.shape[1], images
+        y = y.reshape(*channels_last.shape[:-1], y.shape[-1])
+        return y if channels_last is x else y.movedim(-1, self.channels_dim)
+
+    def weights(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dispatch (softmax over tokens) and combine (softmax over slots) weights, both [B, N, S]."""
+        logits = torch.einsum("bnc,cs->bns", F.normalize(tokens, dim=-1), self.scale * F.normalize(self.phi, dim=0))
+        return logits.softmax(dim=1), logits.softmax(dim=2)
+
+    def routing_stats(self) -> dict[str, object] | None:
+        """Slots per expert (every token reaches every slot), no drops, and the mean largest dispatch weight."""
+        if self.last_dispatch is None:
+            return None
+        return {
+            "tokens_per_expert": [self.last_images * self.slots_per_expert] * self.num_experts,
+            "drop_fraction": 0.0,
+            "mean_top1_gate": self.last_dispatch.max(dim=1).values.float().mean().item(),
+        }
+
+    def activated_macs(self, items: int, images: int) -> int:
+        """Logits (T x C x S), dispatch D^T X and combine C Y~ (T x S x C each), and the S slot FFNs of each
+        image; shared experts on every token. l2-normalization and softmax are elementwise (not counted)."""
+        dim, out = self.experts.in_features, self.experts.out_features
+        shared = self.shared.num_experts * self.shared.macs_per_item() if self.shared is not None else 0
+        return items * self.slots * (2 * dim + out) + images * self.slots * self.experts.macs_per_item() + items * shared
+
+    def executed_macs(self, items: int, images: int) -> None:
+        return None
+
+    def weighted_aux_loss(self) -> None:
+        return None
+
+    def extra_repr(self) -> str:
+        return f"experts={self.num_experts}, slots_per_expert={self.slots_per_expert}, channels_dim={self.channels_dim}"
