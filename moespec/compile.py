@@ -60,14 +60,15 @@ def trace(model: nn.Module, targets: set[str]) -> fx.GraphModule:
     return gm
 
 
-def replace_ffns(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
-    """Graph pass: swap the call node of every planned FFN for a call to a freshly built MoE layer."""
+def replace_ffns(gm: fx.GraphModule, plan: Plan, moe_device: str | torch.device | None = None) -> fx.GraphModule:
+    """Graph pass: swap the call node of every planned FFN for a call to a freshly built MoE layer, on
+    `moe_device` (default: the FFN's device; "meta" for counting without allocating experts)."""
     for layer in plan.layers:
         calls = [n for n in gm.graph.nodes if n.op == "call_module" and n.target == layer.path]
         if not calls:
             raise CompileError(f"replace_ffns: {layer.path} is never called in the traced forward of {plan.spec.backbone.model}")
         dense = gm.get_submodule(layer.path)
-        with torch.device(next(dense.parameters()).device):  # build on the backbone's device (or meta)
+        with torch.device(moe_device or next(dense.parameters()).device):
             moe = build_moe(layer, dense)
         gm.delete_submodule(layer.path)
         gm.add_submodule(layer.path, moe)
@@ -81,9 +82,10 @@ def replace_ffns(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     return gm
 
 
-def compile_model(model: nn.Module, plan: Plan) -> fx.GraphModule:
-    """Trace `model` and apply the plan. The result shares the non-FFN modules of `model`."""
-    gm = replace_ffns(trace(model, {layer.path for layer in plan.layers}), plan)
+def compile_model(model: nn.Module, plan: Plan, *, moe_device: str | torch.device | None = None) -> fx.GraphModule:
+    """Trace `model` and apply the plan. The result shares the non-FFN modules of `model`; its MoE layers
+    are built on `moe_device` (default: the backbone's device)."""
+    gm = replace_ffns(trace(model, {layer.path for layer in plan.layers}), plan, moe_device)
     gm.moespec_spec = plan.spec
     gm.moespec_plan = plan
     return gm.train(model.training)

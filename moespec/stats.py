@@ -8,7 +8,9 @@ Counting rules (BRIEF.md §7):
   costed as activated compute under perfect balance and no drops (see `flops.py`).
 
 The backbone is built and traced once per spec: the dense figures come from it before the rewrite, the MoE
-figures from the compiled model that shares its modules. Records are data; the CLI renders them.
+figures from the compiled model that shares its modules. The MoE layers are built on the meta device, so a
+spec with billions of expert parameters costs no more memory than its dense backbone. Records are data; the
+CLI renders them.
 """
 
 from __future__ import annotations
@@ -74,7 +76,7 @@ def stats(spec: Spec, *, input_size: tuple[int, int, int] | None = None) -> Spec
     backbone = create_backbone(spec)
     plan = plan_for(spec, backbone)
     dense_params, dense_macs = count_params(backbone), _macs(spec, backbone, plan.input_size).total
-    model = compile_model(backbone, plan)
+    model = compile_model(backbone, plan, moe_device="meta")  # experts are counted and costed, never run
     macs = _macs(spec, model, plan.input_size)
     layers = [_layer_stats(path, moe, plan.layer(path), macs) for path, moe in moe_layers(model).items()]
     total = count_params(model)

@@ -18,6 +18,7 @@ import pytest
 
 SPECS = Path(__file__).resolve().parent.parent / "specs"
 SPEC_FILES = sorted(SPECS.glob("*.yaml"))
+STATS_PAIR = [str(SPECS / "convnext_t_dense.yaml"), str(SPECS / "vit_s16_moe8_every2_top2.yaml")]
 CONSOLE_SCRIPT = Path(sys.executable).parent / "moespec"
 
 BAD_TOP_K = """\
@@ -89,8 +90,8 @@ def cli(tmp_path_factory) -> dict:
         "validate_missing": moespec_argv("validate", str(missing)),
         "plan": moespec_argv("plan", str(SPECS / "convnext_t_moe4_last2_top1.yaml"), script=True),
         "stats_json": moespec_argv("stats", str(SPECS), "--format", "json"),
-        "stats_csv": moespec_argv("stats", str(SPECS), "--format", "csv"),
-        "stats_markdown": moespec_argv("stats", str(SPECS), "-f", "markdown"),
+        "stats_csv": moespec_argv("stats", *STATS_PAIR, "--format", "csv"),
+        "stats_markdown": moespec_argv("stats", *STATS_PAIR, "-f", "markdown"),
         "stats_mixed": moespec_argv("stats", str(folder), "-f", "csv", "--per-layer"),
     }
     env = {**os.environ, "NO_COLOR": "1", "OMP_NUM_THREADS": "1"}
@@ -177,10 +178,7 @@ def test_stats_json(cli):
     records = json.loads(result.stdout)
     assert isinstance(records, list)
     assert [r["spec"] for r in records] == [str(p) for p in SPEC_FILES]
-    assert [r["name"] for r in records] == [
-        "convnext-t-dense", "convnext-t-moe4-last2-top1", "convnext-t-moe8-last2-top1",
-        "vit-s16-dense", "vit-s16-moe8-every2-top2", "vit-s16-moe8-last2-top2",
-    ]
+    assert [r["name"] for r in records] == [p.stem.replace("_", "-") for p in SPEC_FILES]  # the specs' names
     keys = ["name", "spec", "backbone", "input_size", "total_params", "activated_params", "dense_params", "gmacs",
             "dense_gmacs", "moe_layers", "experts_total", "layers"]
     for record in records:
@@ -197,16 +195,21 @@ def test_stats_json(cli):
         assert d["total_params"] == d["activated_params"] == d["dense_params"]
         assert (d["moe_layers"], d["experts_total"], d["layers"]) == (0, 0, [])
     for record in records:
-        assert record["dense_params"] == dense[record["backbone"]]["total_params"], record["name"]
-    moe = {name: r for name, r in by_name.items() if "moe" in name}
-    assert {name: (r["moe_layers"], r["experts_total"]) for name, r in moe.items()} == {
+        if record["name"].startswith(("vit-s16-", "convnext-t-")):  # same backbone as the dense baseline
+            assert record["dense_params"] == dense[record["backbone"]]["total_params"], record["name"]
+    moe = {name: r for name, r in by_name.items() if r["moe_layers"]}
+    assert {name: (moe[name]["moe_layers"], moe[name]["experts_total"]) for name in (
+        "convnext-t-moe4-last2-top1", "convnext-t-moe8-last2-top1", "vit-s16-moe8-every2-top2",
+        "vit-s16-moe8-last2-top2", "softmoe-l16-e128-half")} == {
         "convnext-t-moe4-last2-top1": (2, 8),
         "convnext-t-moe8-last2-top1": (2, 16),
         "vit-s16-moe8-every2-top2": (6, 48),
         "vit-s16-moe8-last2-top2": (2, 16),
+        "softmoe-l16-e128-half": (12, 1536),
     }
     for record in moe.values():
-        assert record["activated_params"] < record["total_params"]
+        if not record["name"].startswith("softmoe"):  # Soft MoE: every expert is used for every sequence
+            assert record["activated_params"] < record["total_params"], record["name"]
     assert [layer["path"] for layer in by_name["convnext-t-moe4-last2-top1"]["layers"]] == [
         "stages.2.blocks.8.mlp", "stages.3.blocks.2.mlp",
     ]
@@ -218,8 +221,8 @@ def test_stats_csv(cli):
     lines = result.stdout.splitlines()
     assert lines[0] == ("name,backbone,MoE layers,experts,params (M),activated (M),GMACs,dense params (M),"
                         "dense GMACs")
-    assert len(lines) == 1 + len(SPEC_FILES)
-    assert lines[1].startswith("convnext-t-dense,convnext_tiny,0,0,")
+    assert len(lines) == 1 + len(STATS_PAIR)
+    assert lines[1].startswith("convnext-t-dense,convnext_tiny,0,0,28.59,28.59,4.470,28.59,4.470")
 
 
 def test_stats_markdown(cli):
@@ -230,8 +233,8 @@ def test_stats_markdown(cli):
                         "dense params (M) | dense GMACs |")
     assert lines[1] == "|---|---|---|---|---|---|---|---|---|"
     rows = [line for line in lines[2:] if line.startswith("| ")]
-    assert len(rows) == len(SPEC_FILES)
-    assert rows[4].startswith("| vit-s16-moe8-every2-top2 | vit_small_patch16_224 | 6 | 48 | ")
+    assert len(rows) == len(STATS_PAIR)
+    assert rows[1] == "| vit-s16-moe8-every2-top2 | vit_small_patch16_224 | 6 | 48 | 71.69 | 29.16 | 6.007 | 22.05 | 4.608 |"
 
 
 def test_stats_reports_a_failing_spec_and_still_prints_the_others(cli):

@@ -6,7 +6,10 @@ import pytest
 import torch
 
 import moespec
+from moespec.backbone import create_backbone
+from moespec.compile import compile_model
 from moespec.flops import MATMUL_LIKE, count_macs
+from moespec.plan import plan_for
 
 from .conftest import SPECS_DIR, TINY_INPUT, TINY_VIT, make_spec
 
@@ -37,55 +40,124 @@ def test_dense_convnext_tiny_golden():
     assert s.gmacs == s.dense_gmacs == pytest.approx(4.47, rel=0.005)  # ConvNeXt paper / timm: 4.5 GFLOPs
 
 
-# Hand-written architecture facts and surgery of each shipped MoE spec, one tuple per MoE layer:
-# (width C, dense hidden, expert hidden, experts E, top_k, routed items per image).
-VIT = dict(dim=384, hidden=1536, tokens=197)
-CONVNEXT_STAGE2 = (384, 1536, 14 * 14)  # stages.2: width 384 at 224/16 = 14x14 positions
-CONVNEXT_STAGE3 = (768, 3072, 7 * 7)
-EXPECTED_LAYERS = {
-    "vit_s16_dense": [],
-    "convnext_t_dense": [],
-    "vit_s16_moe8_every2_top2": [(384, 1536, 1536, 8, 2, 197)] * 6,  # blocks 1, 3, ..., 11
-    "vit_s16_moe8_last2_top2": [(384, 1536, 1536, 8, 2, 197)] * 2,  # blocks 10, 11
-    "convnext_t_moe4_last2_top1": [(384, 1536, 768, 4, 1, 196), (768, 3072, 1536, 4, 1, 49)],  # mlp_ratio 2
-    "convnext_t_moe8_last2_top1": [(384, 1536, 1536, 8, 1, 196), (768, 3072, 3072, 8, 1, 49)],
-}
-DENSE = {"vit": (22_050_664, _vit_s16_macs()), "convnext": (28_589_128, 4.47e9)}
+def vit(dim: int, depth: int, patch: int, img: int = 224, classes: int = 1000, layerscale: bool = False):
+    """Dense timm ViT by hand: (params, MACs). Tokens N = (img/patch)^2 + 1; qkv/proj/fc with biases; two
+    LayerNorms per block (5 MACs per element, fvcore); QK^T + AV = 2 N^2 dim; mlp_ratio 4."""
+    n = (img // patch) ** 2 + 1
+    block = 4 * dim + (3 * dim * dim + 3 * dim) + (dim * dim + dim) + _ffn(dim, 4 * dim) + (2 * dim if layerscale else 0)
+    params = (3 * patch * patch * dim + dim) + dim + n * dim + depth * block + 2 * dim + dim * classes + classes
+    block_macs = n * 3 * dim * dim + 2 * n * n * dim + n * dim * dim + 2 * n * dim * 4 * dim + 2 * 5 * n * dim
+    macs = (img // patch) ** 2 * 3 * patch * patch * dim + depth * block_macs + 5 * n * dim + dim * classes
+    return params, macs
 
 
-def _ffn_params(dim: int, hidden: int) -> int:
+def _ffn(dim: int, hidden: int) -> int:
     return dim * hidden + hidden + hidden * dim + dim
 
 
+# Dense backbones: ViTs by hand; ConvNeXts from their paper (params exact from timm, GMACs +-0.5%).
+DENSE = {
+    "vit_small_patch16_224": vit(384, 12, 16),
+    "vit_base_patch16_224": vit(768, 12, 16),  # 86.6M, 17.6 GMACs (fvcore 16.87 + attention 0.72)
+    "vit_large_patch16_224": vit(1024, 24, 16),  # 304.3M, 61.6 GMACs
+    "vit_small_patch14_dinov2": vit(384, 12, 14, layerscale=True),  # at img_size 224: 257 tokens
+    "vit_small_patch16_224@14": vit(384, 12, 14),  # ViT-S with patch_size 14
+    "convnext_tiny": (28_589_128, 4.47e9),
+    "convnext_small": (50_223_688, 8.70e9),
+    "convnext_base": (88_591_464, 15.38e9),
+}
+# ConvNeXt stages: (width, positions at 224) for stage 0..3
+CONVNEXT_T_S = [(96, 56 * 56), (192, 28 * 28), (384, 14 * 14), (768, 7 * 7)]
+CONVNEXT_B = [(128, 56 * 56), (256, 28 * 28), (512, 14 * 14), (1024, 7 * 7)]
+
+
+def _layers(count, kind, dim, items, experts, top_k=1, ratio=4, shared=0):
+    """`count` identical MoE layers: (kind, width, dense hidden, expert hidden, E, k, items, shared)."""
+    return [(kind, dim, 4 * dim, ratio * dim, experts, top_k, items, shared)] * count
+
+
+def _convnext(stage_counts, stages, experts, ratio=4):
+    return [layer for (dim, items), count in zip(stages, stage_counts)
+            for layer in _layers(count, "topk", dim, items, experts, 1, ratio)]
+
+
+# Per shipped spec: the dense backbone key and its MoE layers, written from the spec by hand.
+EXPECTED = {
+    "vit_s16_dense": ("vit_small_patch16_224", []),
+    "convnext_t_dense": ("convnext_tiny", []),
+    "vit_s16_moe8_every2_top2": ("vit_small_patch16_224", _layers(6, "topk", 384, 197, 8, 2)),  # blocks 1,3,..,11
+    "vit_s16_moe8_last2_top2": ("vit_small_patch16_224", _layers(2, "topk", 384, 197, 8, 2)),
+    "vit_b16_moe8_every2_top2": ("vit_base_patch16_224", _layers(6, "topk", 768, 197, 8, 2)),
+    "convnext_t_moe4_last2_top1": ("convnext_tiny", _convnext([0, 0, 1, 1], CONVNEXT_T_S, 4, ratio=2)),
+    "convnext_s_moe4_last2_top1": ("convnext_small", _convnext([0, 0, 1, 1], CONVNEXT_T_S, 4, ratio=2)),
+    "convnext_b_moe4_last2_top1": ("convnext_base", _convnext([0, 0, 1, 1], CONVNEXT_B, 4, ratio=2)),
+    "convnext_t_moe8_last2_top1": ("convnext_tiny", _convnext([0, 0, 1, 1], CONVNEXT_T_S, 8)),
+    "convnext_t_moe8_stage_top1": ("convnext_tiny", _convnext([1, 1, 1, 1], CONVNEXT_T_S, 8)),
+    # Every 2 over the 18 blocks (3, 3, 9, 3): global 1 | 3, 5 | 7, 9, 11, 13 | 15, 17
+    "convnext_t_moe8_every2_top1": ("convnext_tiny", _convnext([1, 2, 4, 2], CONVNEXT_T_S, 8)),
+    "convnext_t_moe8_last3_top1": ("convnext_tiny", _convnext([0, 0, 2, 1], CONVNEXT_T_S, 8)),  # + stages.2.blocks.4
+    **{f"dinov2_s14_image_e{n}_last{depth}{suffix}": (
+        "vit_small_patch14_dinov2", _layers(depth, "image", 384, 257, n, 1, shared=int(bool(suffix))))
+       for n, depth in ((2, 5), (4, 3), (8, 2)) for suffix in ("", "_shared")},
+    **{f"dinov2_s14_image_e{n}_all_shared": ("vit_small_patch14_dinov2", _layers(12, "image", 384, 257, n, 1, shared=1))
+       for n in (2, 4, 8)},
+    "softmoe_s16_e128_half": ("vit_small_patch16_224", _layers(6, "soft", 384, 197, 128)),
+    "softmoe_b16_e128_half": ("vit_base_patch16_224", _layers(6, "soft", 768, 197, 128)),
+    "softmoe_l16_e128_half": ("vit_large_patch16_224", _layers(12, "soft", 1024, 197, 128)),
+    "softmoe_s14_e256_half": ("vit_small_patch16_224@14", _layers(6, "soft", 384, 257, 256)),
+}
+
+
+def expected_counts(layers, dense_params, dense_macs):
+    """(total params, activated params, activated MACs) from the per-layer formulas.
+
+    topk / image: the dense FFN becomes E experts of width h, plus a router (C x E) and shared experts;
+      activated: k experts. MACs per item: k expert FFNs (2 C h) + the weighted combine (k C) + shared
+      experts, instead of the dense FFN; the router costs C x E per item (topk) or per image (image).
+    soft: E experts, Phi (C x S) and a scale; everything is activated. MACs per image: logits, dispatch and
+      combine (3 N S C) and S slot FFNs, instead of N dense FFNs.
+    """
+    total, activated, macs = dense_params, dense_params, dense_macs
+    for kind, dim, dense_hidden, hidden, experts, top_k, items, shared in layers:
+        expert, dense = _ffn(dim, hidden), _ffn(dim, dense_hidden)
+        if kind == "soft":
+            slots = experts  # one slot per expert
+            total += experts * expert + dim * slots + 1 - dense
+            activated += experts * expert + dim * slots + 1 - dense
+            macs += 3 * items * slots * dim + slots * 2 * dim * hidden - items * 2 * dim * dense_hidden
+            continue
+        router = dim * experts
+        total += (experts + shared) * expert + router - dense
+        activated += (top_k + shared) * expert + router - dense
+        router_macs = router * (1 if kind == "image" else items)
+        macs += router_macs + items * ((top_k + shared) * 2 * dim * hidden + top_k * dim - 2 * dim * dense_hidden)
+    return total, activated, macs
+
+
 def test_every_shipped_spec_has_a_hand_written_expectation():
-    assert {p.stem for p in SPECS} == set(EXPECTED_LAYERS)
+    assert {p.stem for p in SPECS} == set(EXPECTED)
 
 
 @pytest.mark.parametrize("path", SPECS, ids=[p.stem for p in SPECS])
 def test_shipped_spec_counts_follow_the_formulas(path):
     s = moespec.stats(moespec.load_spec(path))
-    dense_params, dense_macs = DENSE["vit" if path.stem.startswith("vit") else "convnext"]
+    backbone, layers = EXPECTED[path.stem]
+    dense_params, dense_macs = DENSE[backbone]
     assert s.dense_params == dense_params
     assert s.dense_gmacs * 1e9 == pytest.approx(dense_macs, rel=0.005)
-    total, activated, macs = s.dense_params, s.dense_params, s.dense_gmacs * 1e9
-    for dim, dense_hidden, hidden, experts, top_k, items in EXPECTED_LAYERS[path.stem]:
-        router = dim * experts
-        # params: the dense FFN becomes E experts (narrower ones are FFNs of their own width) + the router
-        total += experts * _ffn_params(dim, hidden) + router - _ffn_params(dim, dense_hidden)
-        activated += top_k * _ffn_params(dim, hidden) + router - _ffn_params(dim, dense_hidden)
-        # MACs per item: k expert FFNs instead of the dense one, + router, + the weighted combine (k * C)
-        macs += items * (top_k * 2 * dim * hidden - 2 * dim * dense_hidden + router + top_k * dim)
+    total, activated, macs = expected_counts(layers, s.dense_params, s.dense_gmacs * 1e9)
     assert s.total_params == total
     assert s.activated_params == activated
     assert s.gmacs * 1e9 == pytest.approx(macs, rel=0.001)
-    assert [(layer.items, layer.top_k, layer.experts) for layer in s.layers] == [
-        (items, top_k, experts) for _, _, _, experts, top_k, items in EXPECTED_LAYERS[path.stem]]
+    assert [(layer.items, layer.experts) for layer in s.layers] == [(items, e) for *_, e, _, items, _ in layers]
 
 
 @pytest.mark.parametrize("path", SPECS, ids=[p.stem for p in SPECS])
 def test_no_matmul_like_op_is_left_uncounted(path):
     spec = moespec.load_spec(path)
-    counted = count_macs(moespec.create_model(spec), moespec.plan(spec).input_size)
+    backbone = create_backbone(spec)
+    plan = plan_for(spec, backbone)
+    counted = count_macs(compile_model(backbone, plan, moe_device="meta"), plan.input_size)  # experts never run
     assert not [op for op in counted.unsupported if MATMUL_LIKE.search(op)], counted.unsupported
 
 
