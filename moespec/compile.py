@@ -11,6 +11,8 @@ timm's notrace modules and functions are leaves too, and the MoE layer is a leaf
 
 from __future__ import annotations
 
+import os
+
 import torch
 from timm.layers import get_notrace_functions, get_notrace_modules
 from torch import fx, nn
@@ -97,7 +99,27 @@ def create_model(spec: Spec, *, device: str | torch.device = "cpu") -> fx.GraphM
     `device="meta"` builds it without allocating weights (for counting parameters).
     """
     backbone = create_backbone(spec, device=device)
-    return compile_model(backbone, plan_for(spec, backbone))
+    plan = plan_for(spec, backbone)
+    if str(device) != "meta":
+        check_fits_in_memory(backbone, plan)
+    return compile_model(backbone, plan)
+
+
+def check_fits_in_memory(backbone: nn.Module, plan: Plan, share: float = 0.8) -> None:
+    """Refuse to build experts whose weights need more than `share` of this machine's memory (a clear error
+    instead of the out-of-memory killer). `validate`, `plan` and `stats` never build experts."""
+    modules = dict(backbone.named_modules())
+    expert_bytes = 0
+    for layer in plan.layers:
+        ffn = modules[layer.path]
+        per_unit = sum(p.numel() * p.element_size() for p in ffn.parameters()) / layer.dense_hidden
+        expert_bytes += (layer.experts + layer.shared_experts) * layer.expert_hidden * per_unit
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if expert_bytes > share * memory:
+        raise MoespecError(
+            f"{plan.spec.name}: its experts need about {expert_bytes / 2**30:.0f} GiB of weights, more than this "
+            f"machine's {memory / 2**30:.0f} GiB allow; too large to instantiate here. validate, plan and stats "
+            f"work without building the experts")
 
 
 def moe_layers(model: nn.Module) -> dict[str, nn.Module]:

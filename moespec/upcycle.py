@@ -7,6 +7,7 @@ the leading units, `split: partition` gives expert i the i-th block); routers st
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +31,7 @@ class UpcycleReport:
     source: str  # where the dense weights came from
     max_abs_logit_diff: float
     max_abs_logit: float
+    caveats: tuple[str, ...] = ()  # what in the spec changes the function, from `caveats(plan)`
 
     @property
     def function_preserving(self) -> bool:
@@ -38,7 +40,33 @@ class UpcycleReport:
 
     def __str__(self) -> str:
         verdict = "yes" if self.function_preserving else "no"
-        return f"function-preserving: {verdict} (max |dlogit| = {self.max_abs_logit_diff:.3g})"
+        lines = [f"function-preserving: {verdict} (max |dlogit| = {self.max_abs_logit_diff:.3g})"]
+        if not self.function_preserving:
+            lines += [f"  because {caveat}" for caveat in self.caveats]
+        return "\n".join(lines)
+
+
+def caveats(plan: Plan) -> tuple[str, ...]:
+    """Why an upcycled model of `plan` may not compute the dense function, one line per surgery group."""
+    found: dict[str, None] = {}
+    for layer in plan.layers:
+        r, where = layer.router, f"moe.{layer.group}"
+        if layer.shared_experts:
+            found[f"{where}: {layer.shared_experts} shared expert(s) add another copy of the dense FFN's output"] = None
+        if r.kind == "soft":
+            found[f"{where}: Soft MoE feeds experts convex mixtures of all tokens, not each token itself"] = None
+        if r.kind in ("topk", "image") and not r.normalize and layer.top_k < layer.experts:
+            found[f"{where}: the top-{layer.top_k} gates are not renormalized (normalize: false), so the FFN "
+                  f"output is scaled by the kept gate mass"] = None
+        if r.kind == "expert_choice":
+            found[f"{where}: with expert choice a token may be taken by several experts or by none"] = None
+        if layer.capacity_factor is not None or (r.kind == "topk" and r.drop_fraction > 0):
+            found[f"{where}: tokens dropped by the capacity factor or importance-score routing get no FFN output"] = None
+        if layer.expert_hidden < layer.dense_hidden:
+            found[f"{where}: experts keep {layer.expert_hidden} of the dense FFN's {layer.dense_hidden} hidden units"] = None
+        if layer.family == "GlobalResponseNormMlp" and layer.top_k < layer.experts:
+            found[f"{where}: each GRN expert normalizes over only the positions it receives"] = None
+    return tuple(found)
 
 
 def dense_model(spec: Spec, checkpoint: str | Path | None = None) -> tuple[nn.Module, str]:
@@ -75,7 +103,8 @@ def upcycle_with_report(spec: Spec, checkpoint: str | Path | None = None, *, see
     upcycle_into(model, model.moespec_plan, dense.state_dict(), generator)
     if not check:
         return model, None
-    return model, compare(dense, model, model.moespec_plan.input_size, source, generator)
+    report = compare(dense, model, model.moespec_plan.input_size, source, generator)
+    return model, dataclasses.replace(report, caveats=caveats(model.moespec_plan))
 
 
 def upcycle_into(model: nn.Module, plan: Plan, dense: dict[str, torch.Tensor], generator: torch.Generator) -> None:

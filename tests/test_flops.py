@@ -194,3 +194,25 @@ def test_input_size_override_and_a_size_the_model_cannot_take():
     with pytest.raises(moespec.SpecError, match=r"cannot take input size \[3, 96, 96\]"):
         moespec.stats(make_spec(TINY_VIT, []), input_size=(3, 96, 96))
     assert TINY_INPUT == [3, 64, 64]
+
+
+def test_each_router_kind_is_costed_by_its_formula():
+    """Tiny ViT-S (17 tokens, C = 384, FFN 384 -> 1536 -> 384), one MoE layer per spec, 4 experts."""
+    tokens, dim, hidden = 17, 384, 1536
+    ffn = 2 * dim * hidden  # one expert FFN per item
+    cases = {
+        # token top-2, cosine gate (projection to 16, codes 16 x 4): gate + 2 experts + combine per token
+        "topk-cosine": ({"gate": {"kind": "cosine", "dim": 16}}, 2, tokens * (dim * 16 + 16 * 4 + 2 * (ffn + dim))),
+        # importance-score routing drops floor(0.1 * 17) = 1 row from dispatch; the gate still sees all 17
+        "drop": ({"drop_fraction": 0.1}, 1, tokens * dim * 4 + (tokens - 1) * (ffn + dim)),
+        # image routing: one gate decision per image, every token through k experts
+        "image": ({"kind": "image"}, 2, dim * 4 + tokens * 2 * (ffn + dim)),
+        # expert choice with c = 2: C = round(2 * 17 / 4) = 8 tokens per expert, 32 rows = about c per token
+        "expert_choice": ({"kind": "expert_choice", "capacity": 2.0}, 1, tokens * dim * 4 + 4 * 8 * (ffn + dim)),
+        # Soft MoE, 4 experts x 2 slots: logits, dispatch, combine (3 N S C) + S slot FFNs per image
+        "soft": ({"kind": "soft", "slots_per_expert": 2}, 1, 3 * tokens * 8 * dim + 8 * ffn),
+    }
+    for name, (router, top_k, expected) in cases.items():
+        spec = make_spec(TINY_VIT, [{"where": {"last": 1}, "experts": 4, "top_k": top_k, "router": router}])
+        layer = moespec.stats(spec).layers[0]
+        assert round(layer.gmacs * 1e9) == expected, name

@@ -131,3 +131,33 @@ def test_experts_wider_than_the_dense_ffn_cannot_be_upcycled(dense_checkpoint):
     spec = make_spec(TINY_VIT, [{"where": {"last": 1}, "experts": 2, "expert_hidden": 2048}])
     with pytest.raises(MoespecError, match="cannot be upcycled from a dense FFN of 1536"):
         moespec.upcycle(spec, path)
+
+
+@pytest.mark.parametrize("experts,top_k", [(4, 1), (4, 2)])
+def test_image_routing_upcycle_reproduces_dense_logits(experts, top_k, dense_checkpoint):
+    path, dense = dense_checkpoint(TINY_VIT)
+    spec = make_spec(TINY_VIT, [{"where": {"every": 1}, "experts": experts, "top_k": top_k,
+                                 "router": {"kind": "image", "normalize": True}}])
+    model, report = upcycle_with_report(spec, path)
+    assert moespec.plan(spec).layers[0].pool == "cls"  # ViT has a [CLS] token
+    x = torch.randn(3, *TINY_INPUT)
+    with torch.no_grad():
+        assert (model(x) - dense(x)).abs().max().item() <= 1e-5
+    assert report.function_preserving
+
+
+@pytest.mark.parametrize("router,shared,reason", [
+    ({"kind": "topk", "normalize": True}, 1, "1 shared expert(s) add another copy of the dense FFN's output"),
+    ({"kind": "soft"}, 0, "Soft MoE feeds experts convex mixtures of all tokens, not each token itself"),
+])
+def test_shared_experts_and_soft_moe_say_plainly_that_they_change_the_function(router, shared, reason, dense_checkpoint):
+    path, _ = dense_checkpoint(TINY_VIT)
+    spec = make_spec(TINY_VIT, [{"where": {"last": 1}, "experts": 4, "shared_experts": shared, "router": router}])
+    model, report = upcycle_with_report(spec, path)
+    assert not report.function_preserving and report.max_abs_logit_diff > 1e-3
+    lines = str(report).splitlines()
+    assert lines[0] == f"function-preserving: no (max |dlogit| = {report.max_abs_logit_diff:.3g})"
+    assert lines[1:] == [f"  because moe.0: {reason}"]
+    state = model.state_dict()
+    if shared:  # the shared expert is the dense FFN too
+        assert torch.equal(state["blocks.1.mlp.shared.fc1.weight"][0], state["blocks.1.mlp.experts.fc1.weight"][0])
