@@ -9,7 +9,10 @@ stages of `stages.s.blocks.b`.
 from __future__ import annotations
 
 import contextlib
+import re
+import sys
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 from torch import nn
@@ -39,12 +42,43 @@ def _create(backbone: Backbone, device: str | torch.device, pretrained: bool) ->
         known = f"; timm models like it: {', '.join(matches)}" if matches and not near else ""
         raise SpecError(Problem(f"unknown timm model {backbone.model!r}{near}{known}", path="backbone.model"))
     context = torch.device(device) if str(device) == "meta" else contextlib.nullcontext()
+    kwargs, overrides = dict(backbone.kwargs), {}
+    while True:
+        try:
+            with context, _override_builder_kwargs(backbone.model, overrides):
+                return timm.create_model(backbone.model, pretrained=pretrained, **kwargs).eval()
+        except TypeError as err:
+            fixed = re.search(r"got multiple values for keyword argument '(\w+)'", str(err))
+            if fixed is None or fixed.group(1) not in kwargs:
+                raise SpecError(Problem(f"timm rejected the kwargs for {backbone.model!r}: {err}",
+                                        path="backbone.kwargs")) from None
+            overrides[fixed.group(1)] = kwargs.pop(fixed.group(1))
+
+
+@contextlib.contextmanager
+def _override_builder_kwargs(name: str, overrides: dict) -> Iterator[None]:
+    """Let kwargs override what a timm entry point hard-codes (e.g. `num_blocks` of `mixer_b16_224`).
+
+    timm entry points build `dict(num_blocks=12, ..., **kwargs)`, so passing `num_blocks` again fails. Every
+    timm family then calls `build_model_with_cfg(model_cls, variant, pretrained, **model_args)` from its own
+    module; for the length of one `create_model` we wrap that name to apply the overrides.
+    """
+    if not overrides:
+        yield
+        return
+    import timm.models
+
+    module = sys.modules[timm.models.model_entrypoint(name).__module__]
+    original = module.build_model_with_cfg
+
+    def build(model_cls, variant, pretrained, **model_args):
+        return original(model_cls, variant, pretrained, **{**model_args, **overrides})
+
+    module.build_model_with_cfg = build
     try:
-        with context:
-            model = timm.create_model(backbone.model, pretrained=pretrained, **backbone.kwargs)
-    except TypeError as err:
-        raise SpecError(Problem(f"timm rejected the kwargs for {backbone.model!r}: {err}", path="backbone.kwargs")) from None
-    return model.eval()
+        yield
+    finally:
+        module.build_model_with_cfg = original
 
 
 @dataclass(frozen=True)

@@ -18,9 +18,11 @@ from timm.layers import get_notrace_functions, get_notrace_modules
 from torch import fx, nn
 
 from .backbone import create_backbone
+from .blocks import find_rebuilder
 from .build import build_moe
 from .errors import MoespecError
 from .layers import MOE_LAYERS
+from .layers.rescale import Rescale
 from .plan import Plan, plan_for
 from .spec import Spec
 
@@ -84,10 +86,47 @@ def replace_ffns(gm: fx.GraphModule, plan: Plan, moe_device: str | torch.device 
     return gm
 
 
+def rescale_blocks(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
+    """Graph pass (Sparse-MLP): rebuild each planned block at [S1, C1] and wrap its call node as
+    `block.rescale_in` (pro-token, [S, C] -> [S1, C1]) -> block -> `block.rescale_out` (pro-channel, back).
+    The rescale layers live under the block's name, so all of a rebuilt block's weights share its prefix."""
+    for rescale in plan.rescales:
+        calls = [n for n in gm.graph.nodes if n.op == "call_module" and n.target == rescale.block]
+        if not calls:
+            raise CompileError(f"rescale_blocks: {rescale.block} is never called in the traced forward")
+        old = gm.get_submodule(rescale.block)
+        with torch.device(next(old.parameters()).device):
+            new = find_rebuilder(old).rebuild(old, rescale.rescaled_tokens, rescale.rescaled_channels,
+                                              rescale.token_hidden, rescale.channel_hidden)
+            new.rescale_in = Rescale(rescale.tokens, rescale.channels, rescale.rescaled_tokens, rescale.rescaled_channels)
+            new.rescale_out = Rescale(rescale.rescaled_tokens, rescale.rescaled_channels, rescale.tokens, rescale.channels)
+        gm.delete_submodule(rescale.block)
+        gm.add_submodule(rescale.block, new)
+        for call in calls:
+            with gm.graph.inserting_before(call):
+                inner = gm.graph.call_module(f"{rescale.block}.rescale_in", call.args[:1])
+                block = gm.graph.call_module(rescale.block, (inner, *call.args[1:]), call.kwargs)
+                outer = gm.graph.call_module(f"{rescale.block}.rescale_out", (block,))
+            call.replace_all_uses_with(outer)
+            gm.graph.erase_node(call)
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
 def compile_model(model: nn.Module, plan: Plan, *, moe_device: str | torch.device | None = None) -> fx.GraphModule:
     """Trace `model` and apply the plan. The result shares the non-FFN modules of `model`; its MoE layers
-    are built on `moe_device` (default: the backbone's device)."""
-    gm = replace_ffns(trace(model, {layer.path for layer in plan.layers}), plan, moe_device)
+    are built on `moe_device` (default: the backbone's device).
+
+    With rescaled blocks: trace with those blocks as leaves, rebuild them (`rescale_blocks`), then trace
+    again through the rebuilt blocks so that their FFN call sites can be replaced like any other.
+    """
+    ffns = {layer.path for layer in plan.layers}
+    gm = model
+    if plan.rescales:
+        blocks = {r.block for r in plan.rescales}
+        gm = rescale_blocks(trace(model, blocks | {p for p in ffns if plan.rebuilt(p) is None}), plan)
+    gm = replace_ffns(trace(gm, ffns), plan, moe_device)
     gm.moespec_spec = plan.spec
     gm.moespec_plan = plan
     return gm.train(model.training)

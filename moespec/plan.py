@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from .adapters import find_adapter
+from .adapters import FFNShape, find_adapter
+from .blocks import BLOCK_REBUILDERS, find_rebuilder
 from .backbone import BlockLayout, create_backbone, find_blocks
 from .errors import Problem, SpecError
 from .selectors import SelectorError, resolve_where
@@ -57,6 +58,25 @@ class LayerPlan:
 
 
 @dataclass(frozen=True)
+class RescalePlan:
+    """One block rebuilt at a rescaled shape, between a pro-token and a pro-channel rescale (Sparse-MLP)."""
+
+    block: str  # qualified name of the block, kept by the rebuilt block
+    group: int  # index in spec.rescale
+    tokens: int  # S
+    channels: int  # C
+    rescaled_tokens: int  # S1
+    rescaled_channels: int  # C1
+    token_hidden: int  # hidden width of the rebuilt block's token-mixing MLP (or its experts)
+    channel_hidden: int  # and of its channel-mixing MLP
+
+    def __str__(self) -> str:
+        return (f"rescale {self.block}: [{self.tokens}, {self.channels}] -> [{self.rescaled_tokens}, "
+                f"{self.rescaled_channels}] (rebuilt, hidden {self.token_hidden} / {self.channel_hidden}) -> "
+                f"[{self.tokens}, {self.channels}]")
+
+
+@dataclass(frozen=True)
 class Plan:
     """What the compiler will change in the backbone, in network order."""
 
@@ -64,9 +84,14 @@ class Plan:
     layout: BlockLayout
     layers: tuple[LayerPlan, ...]
     input_size: tuple[int, int, int]
+    rescales: tuple[RescalePlan, ...] = ()
 
     def layer(self, path: str) -> LayerPlan:
         return next(layer for layer in self.layers if layer.path == path)
+
+    def rebuilt(self, path: str) -> RescalePlan | None:
+        """The rescale that rebuilds the block containing module `path`, if any."""
+        return next((r for r in self.rescales if path == r.block or path.startswith(r.block + ".")), None)
 
     COLUMNS = ("module", "family", "in", "dense hidden", "expert hidden", "experts", "k", "shared", "router")
 
@@ -77,11 +102,13 @@ class Plan:
                 for layer in self.layers]
 
     def summary(self) -> str:
-        return f"{self.spec.name}: {self.spec.backbone.model}, input {list(self.input_size)}, {self.layout.describe()}"
+        """One line about the backbone, then one per rescaled block."""
+        head = f"{self.spec.name}: {self.spec.backbone.model}, input {list(self.input_size)}, {self.layout.describe()}"
+        return "\n".join([head, *(str(r) for r in self.rescales)])
 
     def __str__(self) -> str:
         if not self.layers:
-            return self.summary() + "\n(no MoE layers: the dense backbone)"
+            return self.summary() + "\n(no MoE layers)"
         rows = [self.COLUMNS, *self.rows()]
         widths = [max(len(row[i]) for row in rows) for i in range(len(self.COLUMNS))]
         lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
@@ -102,6 +129,8 @@ def plan_for(spec: Spec, model: nn.Module) -> Plan:
     modules = dict(model.named_modules())
     has_cls = getattr(model, "cls_token", None) is not None  # timm ViTs put it first in the sequence
     problems: list[Problem] = []
+    rescaled = _rescales(spec, layout, modules, problems)  # block path -> (S, C, S1, C1, rescale index)
+    hidden: dict[str, int] = {}  # FFN path in a rebuilt block -> its hidden width
     layers: dict[str, LayerPlan] = {}
     for index, group in enumerate(spec.moe):
         try:
@@ -122,18 +151,88 @@ def plan_for(spec: Spec, model: nn.Module) -> Plan:
                     spec, f"moe.{index}.where",
                     f"{path} is already an MoE layer from moe.{layers[path].group}; each FFN can be replaced once"))
                 continue
-            layer = _layer_plan(spec, index, group, block_index, path, modules[path], problems, has_cls)
-            if layer is not None:
+            if path in hidden:
+                problems.append(spec_problem(spec, f"moe.{index}.where",
+                                             f"{path} is already set by an earlier group; each FFN can be set once"))
+                continue
+            shape = _rescaled_shape(block.path, group.sublayer, rescaled, modules)
+            if group.experts == 0 and shape is None:
+                problems.append(spec_problem(
+                    spec, f"moe.{index}.experts",
+                    f"experts: 0 (a plain MLP) is allowed only in blocks rebuilt by rescale; {block.path} is not"))
+                continue
+            layer = _layer_plan(spec, index, group, block_index, path, modules[path], problems, has_cls, shape)
+            if layer is None:
+                continue
+            if shape is not None:
+                hidden[path] = layer.expert_hidden
+            if group.experts > 0:
                 layers[path] = layer
     if problems:
         raise SpecError(list(dict.fromkeys(problems)))  # one report per distinct problem
     ordered = tuple(sorted(layers.values(), key=lambda layer: list(modules).index(layer.path)))
-    return Plan(spec, layout, ordered, _input_size(spec, model))
+    rescales = []
+    for path, (tokens, channels, new_tokens, new_channels, index) in rescaled.items():
+        rebuilder = find_rebuilder(modules[path])
+        token_ffn, channel_ffn = f"{path}.{rebuilder.token_sublayer}", f"{path}.{rebuilder.channel_sublayer}"
+        rescales.append(RescalePlan(
+            path, index, tokens, channels, new_tokens, new_channels,
+            token_hidden=hidden.get(token_ffn, find_adapter(modules[token_ffn]).shape(modules[token_ffn]).hidden),
+            channel_hidden=hidden.get(channel_ffn, find_adapter(modules[channel_ffn]).shape(modules[channel_ffn]).hidden)))
+    return Plan(spec, layout, ordered, _input_size(spec, model), tuple(rescales))
+
+
+def _rescales(spec: Spec, layout: BlockLayout, modules: dict[str, nn.Module], problems: list[Problem]) -> dict:
+    """Resolve `spec.rescale`: block path -> (S, C, S1, C1, rescale index); problems for what does not fit."""
+    rescaled: dict[str, tuple[int, int, int, int, int]] = {}
+    for index, rescale in enumerate(spec.rescale):
+        try:
+            picked = resolve_where(rescale.where, layout)
+        except SelectorError as err:
+            problems.append(spec_problem(spec, f"rescale.{index}.where", str(err)))
+            continue
+        for block_index in picked:
+            path = layout.blocks[block_index].path
+            rebuilder = find_rebuilder(modules[path])
+            if rebuilder is None:
+                problems.append(spec_problem(
+                    spec, f"rescale.{index}.where",
+                    f"{path} is a {type(modules[path]).__name__}; rescale rebuilds only "
+                    f"{', '.join(cls.__name__ for cls in BLOCK_REBUILDERS)} blocks (MLP-Mixer)"))
+                break
+            if path in rescaled:
+                problems.append(spec_problem(spec, f"rescale.{index}.where",
+                                             f"{path} is already rescaled by rescale.{rescaled[path][4]}"))
+                continue
+            tokens, channels = rebuilder.shape(modules[path])
+            sizes = {"tokens": (rescale.tokens * tokens, tokens), "channels": (rescale.channels * channels, channels)}
+            bad = False
+            for field, (exact, base) in sizes.items():
+                if abs(exact - round(exact)) > 1e-6 or round(exact) < 1:
+                    problems.append(spec_problem(
+                        spec, f"rescale.{index}.{field}",
+                        f"{getattr(rescale, field)} x {base} {field} of {path} = {exact:g} is not a whole number"))
+                    bad = True
+            if bad:
+                break
+            rescaled[path] = (tokens, channels, round(sizes["tokens"][0]), round(sizes["channels"][0]), index)
+    return rescaled
+
+
+def _rescaled_shape(block: str, sublayer: str, rescaled: dict, modules: dict[str, nn.Module]) -> FFNShape | None:
+    """The shape of FFN `sublayer` of `block` after the block is rebuilt, or None if it is not rebuilt."""
+    if block not in rescaled:
+        return None
+    _, _, tokens, channels, _ = rescaled[block]
+    rebuilder = find_rebuilder(modules[block])
+    dense = find_adapter(modules[f"{block}.{sublayer}"]).shape(modules[f"{block}.{sublayer}"])
+    width = tokens if sublayer == rebuilder.token_sublayer else channels
+    return FFNShape(dense.family, width, dense.hidden, width, dense.channels_dim)
 
 
 def _layer_plan(spec: Spec, index: int, group: MoEGroup, block: int, path: str, ffn: nn.Module,
-                problems: list[Problem], has_cls: bool) -> LayerPlan | None:
-    shape = find_adapter(ffn).shape(ffn)
+                problems: list[Problem], has_cls: bool, shape: FFNShape | None = None) -> LayerPlan | None:
+    shape = shape or find_adapter(ffn).shape(ffn)
     pool = None
     if group.router.kind == "image":
         pool = group.router.pool or ("cls" if has_cls else "mean")

@@ -166,7 +166,9 @@ class MoEGroup(SpecModel):
     where: Where
     """Which blocks: one selector or a list of them (their union)."""
     sublayer: Annotated[str, Field(min_length=1)] = "mlp"
-    experts: PositiveInt
+    experts: NonNegativeInt
+    """Routed experts E. 0 means a plain (dense) MLP of width `expert_hidden`, only in blocks rebuilt by
+    `rescale` (Sparse-MLP's "0 = plain MLP")."""
     top_k: PositiveInt = 1
     expert_hidden: Optional[PositiveInt] = None
     """Hidden width of each expert; default: the dense FFN's hidden width."""
@@ -185,7 +187,7 @@ class MoEGroup(SpecModel):
     @classmethod
     def _top_k_at_most_experts(cls, top_k: int, info: ValidationInfo) -> int:
         experts = info.data.get("experts")
-        if experts is not None and top_k > experts:
+        if experts and top_k > experts:
             raise ValueError(f"top_k ({top_k}) must be between 1 and experts ({experts})")
         return top_k
 
@@ -232,6 +234,17 @@ class Upcycle(SpecModel):
     `partition` gives expert i its own block of units."""
 
 
+class Rescale(SpecModel):
+    """Sparse-MLP rescale (BRIEF.md §3): each selected block is rebuilt at [S1, C1] = [tokens * S, channels * C],
+    wrapped by a pro-token rescale [S, C] -> [S1, C1] before it and a pro-channel rescale back after it."""
+
+    where: Where
+    tokens: PositiveFloat = 1.0
+    """S1 / S."""
+    channels: PositiveFloat = 1.0
+    """C1 / C."""
+
+
 class Spec(SpecModel):
     """A whole MoE model: a timm backbone and the surgery applied to it."""
 
@@ -240,6 +253,8 @@ class Spec(SpecModel):
     backbone: Backbone
     input_size: Optional[tuple[PositiveInt, PositiveInt, PositiveInt]] = None
     """(channels, height, width); default: the backbone's pretrained_cfg input_size."""
+    rescale: Annotated[list[Rescale], BeforeValidator(_as_list)] = []
+    """Blocks to rebuild at a rescaled shape (Sparse-MLP); one mapping or a list."""
     moe: list[MoEGroup] = []
     upcycle: Upcycle = Upcycle()
     _source: Optional[str] = PrivateAttr(default=None)

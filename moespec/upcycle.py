@@ -41,15 +41,26 @@ class UpcycleReport:
     def __str__(self) -> str:
         verdict = "yes" if self.function_preserving else "no"
         lines = [f"function-preserving: {verdict} (max |dlogit| = {self.max_abs_logit_diff:.3g})"]
+        if self.max_abs_logit == 0:
+            lines = ["function-preserving: cannot tell (the dense logits are all 0, e.g. a zero-initialized head; "
+                     "upcycle trained weights to check)"]
+        fresh = [c for c in self.caveats if "freshly initialized" in c]
         if not self.function_preserving:
-            lines += [f"  because {caveat}" for caveat in self.caveats]
+            lines += [f"  because {caveat}" for caveat in self.caveats if caveat not in fresh]
+        lines += [f"  {caveat}" for caveat in fresh]  # always said, block by block
         return "\n".join(lines)
 
 
 def caveats(plan: Plan) -> tuple[str, ...]:
-    """Why an upcycled model of `plan` may not compute the dense function, one line per surgery group."""
+    """Why an upcycled model of `plan` may not compute the dense function, one line per surgery group and
+    one per rebuilt block."""
     found: dict[str, None] = {}
+    for r in plan.rescales:
+        found[f"{r.block}: rebuilt at [{r.rescaled_tokens}, {r.rescaled_channels}] (rescale.{r.group}) and freshly "
+              f"initialized; a block of a new shape cannot be upcycled"] = None
     for layer in plan.layers:
+        if plan.rebuilt(layer.path) is not None:
+            continue
         r, where = layer.router, f"moe.{layer.group}"
         if layer.shared_experts:
             found[f"{where}: {layer.shared_experts} shared expert(s) add another copy of the dense FFN's output"] = None
@@ -108,14 +119,17 @@ def upcycle_with_report(spec: Spec, checkpoint: str | Path | None = None, *, see
 
 
 def upcycle_into(model: nn.Module, plan: Plan, dense: dict[str, torch.Tensor], generator: torch.Generator) -> None:
-    """Copy `dense` into the compiled `model` in place: non-FFN weights as they are, FFNs into experts."""
+    """Copy `dense` into the compiled `model` in place: non-FFN weights as they are, FFNs into experts.
+    Blocks rebuilt at a rescaled shape keep their fresh init: no dense weight has their shape."""
     layers = moe_layers(model)
-    moe_prefixes = tuple(f"{path}." for path in layers)
+    skip = tuple(f"{path}." for path in layers) + tuple(f"{r.block}." for r in plan.rescales)
     with torch.no_grad():
         for name, tensor in model.state_dict(keep_vars=True).items():
-            if not name.startswith(moe_prefixes) and name in dense:
+            if not name.startswith(skip) and name in dense:
                 tensor.copy_(dense[name])
         for layer in plan.layers:
+            if plan.rebuilt(layer.path) is not None:
+                continue
             ffn_state = {k[len(layer.path) + 1:]: v for k, v in dense.items() if k.startswith(layer.path + ".")}
             _upcycle_layer(layers[layer.path], layer, ffn_state, plan.spec, generator)
 

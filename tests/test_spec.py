@@ -159,8 +159,8 @@ moe:
     assert problem.message == "give expert_hidden or expert_mlp_ratio, not both"
 
 
-@pytest.mark.parametrize("experts", ["0", "-1"])
-def test_experts_must_be_positive(tmp_path, experts):
+@pytest.mark.parametrize("experts", ["-1", "-7"])
+def test_experts_must_not_be_negative(tmp_path, experts):
     text = f"""\
 backbone: {{model: vit_small_patch16_224}}
 moe:
@@ -171,8 +171,24 @@ moe:
     problem = only_problem(path)
     assert (problem.file, problem.line, problem.path) == (str(path), line_of(text, "experts:"), "moe.0.experts")
     assert problem.column == column_of(text, "experts:")
-    assert problem.message == "input should be greater than 0"
-    assert str(problem) == f"{path}:4:5: moe.0.experts: input should be greater than 0"
+    assert problem.message == "input should be greater than or equal to 0"
+    assert str(problem) == f"{path}:4:5: moe.0.experts: input should be greater than or equal to 0"
+
+
+def test_zero_experts_only_in_rescaled_blocks(tmp_path):
+    text = """\
+backbone: {model: vit_small_patch16_224}
+moe:
+  - where: {every: 2}
+    experts: 0
+"""
+    path = write(tmp_path, text)
+    spec = load_spec(path)  # the schema allows 0; the plan knows which blocks are rebuilt
+    with pytest.raises(SpecError) as info:
+        moespec.plan(spec)
+    problem = info.value.problems[0]
+    assert (problem.line, problem.path) == (line_of(text, "experts:"), "moe.0.experts")
+    assert "only in blocks rebuilt by rescale" in problem.message
 
 
 # --- errors: unknown keys -----------------------------------------------------------------------------------
@@ -187,7 +203,8 @@ inputsize: [3, 224, 224]
     problem = only_problem(path)
     assert (problem.file, problem.line, problem.path) == (str(path), line_of(text, "inputsize"), "inputsize")
     assert problem.message == (
-        "unknown key 'inputsize'; allowed: name, backbone, input_size, moe, upcycle; did you mean 'input_size'?"
+        "unknown key 'inputsize'; allowed: name, backbone, input_size, rescale, moe, upcycle; did you mean "
+        "'input_size'?"
     )
 
 
@@ -199,7 +216,7 @@ colour: red
     path = write(tmp_path, text)
     problem = only_problem(path)
     assert (problem.line, problem.path) == (2, "colour")
-    assert problem.message == "unknown key 'colour'; allowed: name, backbone, input_size, moe, upcycle"
+    assert problem.message == "unknown key 'colour'; allowed: name, backbone, input_size, rescale, moe, upcycle"
     assert "did you mean" not in problem.message
 
 
@@ -404,7 +421,7 @@ def test_several_problems_are_all_reported(tmp_path):
 backbone: {model: vit_small_patch16_224}
 moe:
   - where: {every: 2}
-    experts: 0
+    experts: -1
     bogus: 1
 """
     path = write(tmp_path, text)
@@ -478,7 +495,7 @@ def test_to_yaml_round_trips(tmp_path, which):
     # every default is written out, and the file-derived name is kept
     data = yaml.safe_load(text)
     assert data["name"] == spec.name
-    assert set(data) == {"name", "backbone", "input_size", "moe", "upcycle"}
+    assert set(data) == {"name", "backbone", "input_size", "rescale", "moe", "upcycle"}
     assert set(data["moe"][0]) == set(GROUP_KEYS.split(", "))
 
 
