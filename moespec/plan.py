@@ -133,12 +133,7 @@ def plan_for(spec: Spec, model: nn.Module) -> Plan:
     hidden: dict[str, int] = {}  # FFN path in a rebuilt block -> its hidden width
     layers: dict[str, LayerPlan] = {}
     for index, group in enumerate(spec.moe):
-        try:
-            picked = resolve_where(group.where, layout)
-        except SelectorError as err:
-            problems.append(spec_problem(spec, f"moe.{index}.where", str(err)))
-            continue
-        for block_index in picked:
+        for block_index in _picked(spec, f"moe.{index}.where", group.where, layout, problems):
             block = layout.blocks[block_index]
             if group.sublayer not in block.sublayers:
                 problems.append(spec_problem(
@@ -182,16 +177,20 @@ def plan_for(spec: Spec, model: nn.Module) -> Plan:
     return Plan(spec, layout, ordered, _input_size(spec, model), tuple(rescales))
 
 
+def _picked(spec: Spec, field: str, where: list, layout: BlockLayout, problems: list[Problem]) -> list[int]:
+    """The blocks a `where` selects, or none (with a problem at `field`) when it does not fit the model."""
+    try:
+        return resolve_where(where, layout)
+    except SelectorError as err:
+        problems.append(spec_problem(spec, field, str(err)))
+        return []
+
+
 def _rescales(spec: Spec, layout: BlockLayout, modules: dict[str, nn.Module], problems: list[Problem]) -> dict:
     """Resolve `spec.rescale`: block path -> (S, C, S1, C1, rescale index); problems for what does not fit."""
     rescaled: dict[str, tuple[int, int, int, int, int]] = {}
     for index, rescale in enumerate(spec.rescale):
-        try:
-            picked = resolve_where(rescale.where, layout)
-        except SelectorError as err:
-            problems.append(spec_problem(spec, f"rescale.{index}.where", str(err)))
-            continue
-        for block_index in picked:
+        for block_index in _picked(spec, f"rescale.{index}.where", rescale.where, layout, problems):
             path = layout.blocks[block_index].path
             rebuilder = find_rebuilder(modules[path])
             if rebuilder is None:
