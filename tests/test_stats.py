@@ -47,3 +47,14 @@ def test_dense_specs_count_the_backbone():
     for name in ("vit_s16_dense.yaml", "convnext_t_dense.yaml"):
         s = moespec.stats(moespec.load_spec(SPECS_DIR / name))
         assert s.total_params == s.activated_params == s.dense_params and s.moe_layers == 0
+
+
+def test_meta_build_counts_the_same_parameters_as_a_real_build():
+    """stats() never materializes experts; its counts must equal those of a real build."""
+    for name in ("convnext_t_moe4_last2_top1.yaml", "dinov2_s14_image_e4_last3_shared.yaml", "sparse_mlp_s.yaml"):
+        spec = moespec.load_spec(SPECS_DIR / name)
+        real = moespec.create_model(spec)
+        s = moespec.stats(spec)
+        assert s.total_params == sum(p.numel() for p in real.parameters()), name
+        meta = moespec.create_model(spec, device="meta")
+        assert sum(p.numel() for p in meta.parameters()) == s.total_params, name
