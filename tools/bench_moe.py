@@ -1,0 +1,138 @@
+"""Benchmark the MoE layer against a dense FFN of equal activated FLOPs, Soft MoE scaling, and whole models.
+
+    python tools/bench_moe.py [--quick] [--device cpu|cuda] [--dtype fp32|bf16] [--json out.json]
+
+1. Layer: top-k MoE (E experts of width 4d, top-k) vs a dense FFN of width k * 4d on the same T tokens,
+   d = 384, measured interleaved in one process; median ms and the ratio MoE / dense, forward and
+   forward+backward.
+2. Soft MoE: one slot per expert and 196 tokens, forward time from 8 to 1024 experts (the paper's claim:
+   cost follows slots, not experts).
+3. Models at batch 32: (MoE images/s) / (dense images/s) / (dense GMACs / MoE GMACs); 1.0 = no routing
+   overhead.
+Figures only: machines are noisy, so nothing here is a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+from timm.layers import Mlp
+from torch import nn
+
+import moespec
+from moespec.layers import Experts, LinearGate, MoE, SoftMoE, TopKRouter
+
+
+def _time(fn, repeats: int) -> list[float]:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        times.append((time.perf_counter() - start) * 1e3)
+    return times
+
+
+def interleaved(fns: dict, repeats: int) -> dict[str, float]:
+    """Median ms of each fn, run in turns (a, b, a, b, ...) after one warm-up each."""
+    for fn in fns.values():
+        fn()
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            samples[name] += _time(fn, 1)
+    return {name: statistics.median(values) for name, values in samples.items()}
+
+
+def layer_bench(device, dtype, quick: bool) -> list[dict]:
+    dim, rows = 384, []
+    grid = [(e, k, t) for e in (8, 32) for k in (1, 2) for t in (197, 6304)]
+    if quick:
+        grid = [(8, 2, 197), (8, 2, 6304)]
+    for experts, top_k, tokens in grid:
+        torch.manual_seed(0)
+        bank = Experts(experts, dim, 4 * dim, dim, act=nn.GELU())
+        moe = MoE(TopKRouter(LinearGate(dim, experts), experts, top_k), bank).to(device, dtype)
+        dense = Mlp(dim, top_k * 4 * dim).to(device, dtype)  # equal activated FLOPs
+        x = torch.randn(1, tokens, dim, device=device, dtype=dtype, requires_grad=True)
+
+        def fwd(m):
+            return lambda: m(x)
+
+        def fwd_bwd(m):
+            return lambda: m(x).float().square().mean().backward()
+
+        repeats = 10 if tokens > 1000 else 30
+        with torch.no_grad():
+            forward = interleaved({"moe": fwd(moe), "dense": fwd(dense)}, repeats)
+        backward = interleaved({"moe": fwd_bwd(moe), "dense": fwd_bwd(dense)}, repeats)
+        rows.append({"experts": experts, "top_k": top_k, "tokens": tokens,
+                     "fwd_moe_ms": forward["moe"], "fwd_dense_ms": forward["dense"],
+                     "fwd_ratio": forward["moe"] / forward["dense"],
+                     "fwdbwd_moe_ms": backward["moe"], "fwdbwd_dense_ms": backward["dense"],
+                     "fwdbwd_ratio": backward["moe"] / backward["dense"]})
+        print(f"layer E={experts:3d} k={top_k} T={tokens:5d}: fwd {forward['moe']:8.2f} / {forward['dense']:8.2f} ms "
+              f"= {rows[-1]['fwd_ratio']:.2f}x   fwd+bwd {backward['moe']:8.2f} / {backward['dense']:8.2f} ms = "
+              f"{rows[-1]['fwdbwd_ratio']:.2f}x", flush=True)
+    return rows
+
+
+def soft_bench(device, dtype, quick: bool) -> list[dict]:
+    dim, rows = 384, []
+    x = torch.randn(8, 196, dim, device=device, dtype=dtype)
+    for experts in ((8, 128) if quick else (8, 64, 256, 1024)):
+        layer = SoftMoE(Experts(experts, dim, 4 * dim, dim, act=nn.GELU()), 1).to(device, dtype)
+        with torch.no_grad():
+            ms = statistics.median(_time(lambda: layer(x), 5 if experts > 256 else 10))
+        rows.append({"experts": experts, "fwd_ms": ms})
+        print(f"soft   E={experts:5d} slots={experts}: fwd {ms:8.2f} ms ({ms / rows[0]['fwd_ms']:.2f}x of E=8)", flush=True)
+    return rows
+
+
+def model_bench(device, dtype, quick: bool) -> list[dict]:
+    rows = []
+    pairs = [("vit_s16_moe8_every2_top2", "vit_s16_dense"), ("convnext_t_moe4_last2_top1", "convnext_t_dense")]
+    batch = 8 if quick else 32
+    for moe_name, dense_name in pairs:
+        specs = {n: moespec.load_spec(f"specs/{n}.yaml") for n in (moe_name, dense_name)}
+        models = {n: moespec.create_model(s).to(device, dtype).eval() for n, s in specs.items()}
+        gmacs = {n: moespec.stats(s).gmacs for n, s in specs.items()}
+        x = torch.randn(batch, 3, 224, 224, device=device, dtype=dtype)
+        with torch.no_grad():
+            ms = interleaved({n: (lambda m=m: m(x)) for n, m in models.items()}, 3 if quick else 5)
+        throughput = {n: batch / (t / 1e3) for n, t in ms.items()}
+        figure = throughput[moe_name] / throughput[dense_name] / (gmacs[dense_name] / gmacs[moe_name])
+        rows.append({"moe": moe_name, "dense": dense_name, "batch": batch, "moe_img_s": throughput[moe_name],
+                     "dense_img_s": throughput[dense_name], "moe_gmacs": gmacs[moe_name],
+                     "dense_gmacs": gmacs[dense_name], "overhead_figure": figure})
+        print(f"model {moe_name}: {throughput[moe_name]:.1f} img/s vs {throughput[dense_name]:.1f} img/s dense; "
+              f"GMACs {gmacs[moe_name]:.2f} vs {gmacs[dense_name]:.2f}; figure {figure:.3f} (1.0 = no overhead)", flush=True)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="a few settings only")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    parser.add_argument("--json", help="also write the figures to this file")
+    parser.add_argument("--only", choices=["layer", "soft", "model"], action="append")
+    args = parser.parse_args()
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+    parts = args.only or ["layer", "soft", "model"]
+    results = {"device": args.device, "dtype": args.dtype, "threads": torch.get_num_threads()}
+    for part, fn in (("layer", layer_bench), ("soft", soft_bench), ("model", model_bench)):
+        if part in parts:
+            results[part] = fn(args.device, dtype, args.quick)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
