@@ -131,6 +131,7 @@ def plan_for(spec: Spec, model: nn.Module) -> Plan:
     problems: list[Problem] = []
     rescaled = _rescales(spec, layout, modules, problems)  # block path -> (S, C, S1, C1, rescale index)
     hidden: dict[str, int] = {}  # FFN path in a rebuilt block -> its hidden width
+    claimed: dict[str, int] = {}  # FFN path -> the group that set it
     layers: dict[str, LayerPlan] = {}
     for index, group in enumerate(spec.moe):
         for block_index in _picked(spec, f"moe.{index}.where", group.where, layout, problems):
@@ -141,15 +142,14 @@ def plan_for(spec: Spec, model: nn.Module) -> Plan:
                     f"block {block.path} has no FFN sublayer {group.sublayer!r}; it has: {', '.join(block.sublayers)}"))
                 break
             path = f"{block.path}.{group.sublayer}"
-            if path in layers:
+            if path in claimed:
+                earlier = claimed[path]
+                what = "an MoE layer" if spec.moe[earlier].experts else "a plain MLP"
                 problems.append(spec_problem(
                     spec, f"moe.{index}.where",
-                    f"{path} is already an MoE layer from moe.{layers[path].group}; each FFN can be replaced once"))
+                    f"{path} is already {what} from moe.{earlier}; each FFN can be replaced once"))
                 continue
-            if path in hidden:
-                problems.append(spec_problem(spec, f"moe.{index}.where",
-                                             f"{path} is already set by an earlier group; each FFN can be set once"))
-                continue
+            claimed[path] = index
             shape = _rescaled_shape(block.path, group.sublayer, rescaled, modules)
             if group.experts == 0 and shape is None:
                 problems.append(spec_problem(
