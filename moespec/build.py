@@ -3,6 +3,7 @@ MoE module. Modules never see a spec; this is the only place that translates."""
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from .adapters import adapter_named
@@ -41,3 +42,14 @@ def build_gate(gate, dim: int, experts: int) -> nn.Module:
         return LinearGate(dim, experts)
     return ProjectedGate(dim, experts, proj_dim=gate.dim or DEFAULT_GATE_DIM,
                          temperature=gate.temperature or DEFAULT_TEMPERATURE, metric=gate.kind)
+
+
+def materialize(module: nn.Module, device: str | torch.device = "cpu") -> nn.Module:
+    """Give a module built on the meta device real storage on `device` and its fresh initialization: every
+    submodule's `reset_parameters`, children before parents (a parent may re-initialize its children)."""
+    module.to_empty(device=device)
+    with torch.no_grad():
+        for m in reversed(list(module.modules())):
+            if hasattr(m, "reset_parameters"):
+                m.reset_parameters()
+    return module

@@ -1,29 +1,44 @@
 """Checkpoints: reading dense state dicts, and saving / loading MoE models with their spec inside.
 
 A moespec checkpoint is a safetensors file whose header metadata holds the spec YAML, its sha256 and the
-moespec version; `load` rebuilds the model from that spec and loads the weights. Nothing is unpickled:
-`.pth` / `.bin` files are read with `torch.load(weights_only=True)`. Every output is written to a temp file
-in the target folder, fsynced and renamed, so an interrupted write never leaves a half-written file.
+moespec version; `load` rebuilds the model from that spec and loads the weights. Outputs larger than one
+shard use the layout transformers and timm users know:
+
+    model-00001-of-00003.safetensors ... model-00003-of-00003.safetensors
+    model.safetensors.index.json     {"metadata": {spec, hash, version, total_size}, "weight_map": {name: file}}
+
+`write_sharded` streams tensors into the shards one at a time (the caller may build each on demand), so a
+model larger than memory can be written. Nothing is unpickled: `.pth` / `.bin` files are read with
+`torch.load(weights_only=True)`. Every output is written to a temp file in the target folder, fsynced and
+renamed, so an interrupted write never leaves a half-written file (stale temp files of dead writers are
+removed by the next write to the same path).
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import os
+import struct
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator, Sequence
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch import nn
 
 from .errors import CheckpointError, MoespecError
 
 SPEC_KEY, SPEC_HASH_KEY, VERSION_KEY = "moespec.spec", "moespec.spec_sha256", "moespec.version"
 DENSE_SUFFIXES = (".safetensors", ".pth", ".pt", ".bin")
+DEFAULT_MAX_SHARD_SIZE = 2 * 10**9  # bytes, as transformers' "2GB"
+SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+                      torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+                      torch.uint8: "U8", torch.bool: "BOOL"}
 
 
 def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
@@ -72,14 +87,16 @@ def check_state_dict(state: dict[str, torch.Tensor], reference: nn.Module, what:
 def atomic_output(path: str | Path, *, force: bool = False) -> Iterator[Path]:
     """Yield a temp path in `path`'s folder; on success fsync it and rename it to `path`.
 
-    Refuses to overwrite an existing `path` unless `force`. On any error the temp file is removed.
+    Refuses to overwrite an existing `path` unless `force`. On any error the temp file is removed; temp files
+    left by a writer that was killed are removed here, by the next write to the same path.
     """
     path = Path(path)
     if path.exists() and not force:
         raise MoespecError(f"{path} already exists; pass --force (force=True) to overwrite it")
     if not path.parent.is_dir():
         raise MoespecError(f"{path.parent}: no such folder for the output")
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    remove_stale_temp_files(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.{os.getpid()}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     try:
         yield Path(tmp)
@@ -91,38 +108,191 @@ def atomic_output(path: str | Path, *, force: bool = False) -> Iterator[Path]:
             os.remove(tmp)
 
 
-def save(model: nn.Module, path: str | Path, *, force: bool = False) -> Path:
-    """Save a compiled MoE model as safetensors, with its spec in the header metadata."""
+def remove_stale_temp_files(path: Path) -> list[Path]:
+    """Remove `.{name}.{pid}.*.tmp` files next to `path` whose writing process no longer runs."""
+    removed = []
+    for tmp in path.parent.glob(f".{path.name}.*.tmp"):
+        pid = tmp.name[len(path.name) + 2:].split(".", 1)[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            tmp.unlink(missing_ok=True)
+            removed.append(tmp)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Name, shape and dtype of one tensor to write: enough to lay out shards before any data exists."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        numel = 1
+        for size in self.shape:
+            numel *= size
+        return numel * torch.empty((), dtype=self.dtype).element_size()
+
+
+def shard_layout(infos: Sequence[TensorInfo], max_shard_size: int) -> list[list[TensorInfo]]:
+    """Split tensors, in order, into shards of at most `max_shard_size` bytes (a bigger tensor gets its own)."""
+    shards: list[list[TensorInfo]] = [[]]
+    size = 0
+    for info in infos:
+        if shards[-1] and size + info.nbytes > max_shard_size:
+            shards.append([])
+            size = 0
+        shards[-1].append(info)
+        size += info.nbytes
+    return shards
+
+
+def shard_files(path: Path, shards: int) -> list[Path]:
+    """`path` itself for one shard, else `{stem}-0000i-of-0000n.safetensors` next to it."""
+    if shards == 1:
+        return [path]
+    stem = path.name.removesuffix(".safetensors")
+    return [path.with_name(f"{stem}-{i:05d}-of-{shards:05d}.safetensors") for i in range(1, shards + 1)]
+
+
+def index_file(path: Path) -> Path:
+    return path.with_name(path.name + ".index.json")
+
+
+def write_safetensors(file: Path, infos: Sequence[TensorInfo], tensor: Callable[[TensorInfo], torch.Tensor],
+                      metadata: dict[str, str]) -> None:
+    """Write a safetensors file tensor by tensor: the header first (from `infos`), then each tensor's bytes as
+    `tensor(info)` returns it, so only one tensor needs to exist at a time."""
+    header: dict[str, object] = {"__metadata__": metadata}
+    offset = 0
+    for info in infos:
+        header[info.name] = {"dtype": SAFETENSORS_DTYPES[info.dtype], "shape": list(info.shape),
+                             "data_offsets": [offset, offset + info.nbytes]}
+        offset += info.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+    with open(file, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for info in infos:
+            t = tensor(info)
+            if tuple(t.shape) != info.shape or t.dtype != info.dtype:
+                raise RuntimeError(f"{info.name}: got {tuple(t.shape)} {t.dtype}, laid out as {info.shape} {info.dtype}")
+            f.write(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+
+
+def write_sharded(path: str | Path, infos: Sequence[TensorInfo], tensor: Callable[[TensorInfo], torch.Tensor],
+                  metadata: dict[str, str], *, max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
+                  force: bool = False) -> list[Path]:
+    """Write tensors to `path` (one file), or to shards next to it plus `path.index.json` when they exceed
+    `max_shard_size`. All files appear together: each is written to a temp file, and the renames happen
+    only once every shard is complete, the index last. A previous output at `path` (with `force`) is
+    replaced whole: shards of an older layout are removed. Returns the files written, index first if any."""
+    path = Path(path)
+    layout = shard_layout(infos, max_shard_size)
+    files = shard_files(path, len(layout))
+    total = sum(info.nbytes for info in infos)
+    with contextlib.ExitStack() as stack:
+        index = None
+        if len(files) > 1:  # entered first, renamed last: the index marks a complete output
+            index = stack.enter_context(atomic_output(index_file(path), force=force))
+        temps = [stack.enter_context(atomic_output(file, force=force)) for file in files]
+        for temp, shard in zip(temps, layout):
+            write_safetensors(temp, shard, tensor, metadata)
+        if index is not None:
+            weight_map = {info.name: file.name for file, shard in zip(files, layout) for info in shard}
+            index.write_text(json.dumps({"metadata": {**metadata, "total_size": total}, "weight_map": weight_map},
+                                        indent=2))
+    _remove_old_layout(path, keep=set(files) | {index_file(path)} if len(files) > 1 else {path})
+    return ([index_file(path)] if len(files) > 1 else []) + files
+
+
+def _remove_old_layout(path: Path, keep: set[Path]) -> None:
+    """After a forced overwrite: remove the single file or the shards and index of the previous layout."""
+    old = [path, index_file(path)]
+    stem = path.name.removesuffix(".safetensors")
+    old += path.parent.glob(f"{stem}-[0-9][0-9][0-9][0-9][0-9]-of-[0-9][0-9][0-9][0-9][0-9].safetensors")
+    for file in old:
+        if file not in keep and file.exists():
+            file.unlink()
+
+
+def save(model: nn.Module, path: str | Path, *, force: bool = False, dtype: torch.dtype | None = None,
+         max_shard_size: int = DEFAULT_MAX_SHARD_SIZE) -> Path:
+    """Save a compiled MoE model as safetensors with its spec in the header metadata, sharded beyond
+    `max_shard_size` bytes; floating tensors are cast to `dtype` if given. Returns the path to `load`."""
     spec = getattr(model, "moespec_spec", None)
     if spec is None:
         raise MoespecError("this model was not built by moespec (no spec attached); build it with moespec.create_model")
-    spec_yaml = spec.to_yaml()
-    metadata = {SPEC_KEY: spec_yaml, SPEC_HASH_KEY: hashlib.sha256(spec_yaml.encode()).hexdigest(), VERSION_KEY: _version()}
-    tensors: dict[str, torch.Tensor] = {}
-    seen: set[int] = set()
-    for name, tensor in model.state_dict().items():
-        tensor = tensor.detach().cpu().contiguous()
-        if tensor.data_ptr() in seen and tensor.numel():  # safetensors refuses shared storage
-            tensor = tensor.clone()
-        seen.add(tensor.data_ptr())
-        tensors[name] = tensor
-    with atomic_output(path, force=force) as tmp:
-        save_file(tensors, str(tmp), metadata=metadata)
+    state = model.state_dict()
+    infos = [TensorInfo(name, tuple(t.shape), output_dtype(t.dtype, dtype)) for name, t in state.items()]
+    write_sharded(path, infos, lambda info: state[info.name].to(info.dtype), spec_metadata(spec),
+                  max_shard_size=max_shard_size, force=force)
     return Path(path)
+
+
+def output_dtype(dtype: torch.dtype, target: torch.dtype | None) -> torch.dtype:
+    """`target` for floating tensors (weights), the tensor's own dtype otherwise (integer buffers)."""
+    return target if target is not None and dtype.is_floating_point else dtype
+
+
+def spec_metadata(spec) -> dict[str, str]:
+    """The header metadata of a moespec checkpoint: the spec YAML, its sha256 and the moespec version."""
+    spec_yaml = spec.to_yaml()
+    return {SPEC_KEY: spec_yaml, SPEC_HASH_KEY: hashlib.sha256(spec_yaml.encode()).hexdigest(), VERSION_KEY: _version()}
+
+
+def checkpoint_files(path: str | Path) -> tuple[dict[str, str], list[Path]]:
+    """The metadata and weight files of a moespec checkpoint: a .safetensors file, a sharded output named by
+    its base path, its index.json or its folder."""
+    path = Path(path)
+    if path.is_dir():
+        candidates = sorted(path.glob("*.safetensors.index.json")) or sorted(path.glob("*.safetensors"))
+        if len(candidates) != 1:
+            found = ", ".join(c.name for c in candidates) or "no .safetensors files"
+            raise CheckpointError(f"{path}: expected one checkpoint in this folder, found {found}")
+        path = candidates[0]
+    if path.name.endswith(".index.json") or (not path.exists() and index_file(path).is_file()):
+        index = path if path.name.endswith(".index.json") else index_file(path)
+        return _read_index(index)
+    if not path.is_file():
+        raise CheckpointError(f"{path}: no such checkpoint file")
+    try:
+        with safe_open(str(path), "pt") as f:
+            return f.metadata() or {}, [path]
+    except (SafetensorError, OSError) as err:
+        raise CheckpointError(f"{path}: not a readable safetensors file ({err}); is it truncated?") from None
+
+
+def _read_index(index: Path) -> tuple[dict[str, str], list[Path]]:
+    try:
+        content = json.loads(index.read_text())
+        metadata, weight_map = content["metadata"], content["weight_map"]
+        files = sorted({index.parent / name for name in weight_map.values()})
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+        raise CheckpointError(f"{index}: not a readable safetensors index ({type(err).__name__}: {err})") from None
+    missing = [f.name for f in files if not f.is_file()]
+    if missing:
+        raise CheckpointError(f"{index}: shard(s) missing next to it: {', '.join(missing)}")
+    return {k: v for k, v in metadata.items() if isinstance(v, str)}, files
 
 
 def read_spec(path: str | Path):
     """The spec embedded in a moespec checkpoint (checked against its hash)."""
     from .spec import load_spec
 
-    path = Path(path)
-    if not path.is_file():
-        raise CheckpointError(f"{path}: no such checkpoint file")
-    try:
-        with safe_open(str(path), "pt") as f:
-            metadata = f.metadata() or {}
-    except (SafetensorError, OSError) as err:
-        raise CheckpointError(f"{path}: not a readable safetensors file ({err}); is it truncated?") from None
+    metadata, _ = checkpoint_files(path)
     spec_yaml = metadata.get(SPEC_KEY)
     if spec_yaml is None:
         raise CheckpointError(f"{path}: has no moespec spec in its metadata; is it a dense checkpoint? "
@@ -133,15 +303,19 @@ def read_spec(path: str | Path):
 
 
 def load(path: str | Path, *, device: str | torch.device = "cpu") -> nn.Module:
-    """Rebuild the MoE model from the spec inside a moespec checkpoint and load its weights."""
+    """Rebuild the MoE model from the spec inside a moespec checkpoint (one file or shards) and load its
+    weights (cast to the model's dtype)."""
     from .compile import create_model
 
     spec = read_spec(path)
+    _, files = checkpoint_files(path)
     model = create_model(spec, device=device)
-    try:
-        state = load_file(str(path), device=str(device))
-    except (SafetensorError, OSError) as err:
-        raise CheckpointError(f"{path}: cannot read the weights ({err}); is it truncated?") from None
+    state: dict[str, torch.Tensor] = {}
+    for file in files:
+        try:
+            state.update(load_file(str(file), device=str(device)))
+        except (SafetensorError, OSError) as err:
+            raise CheckpointError(f"{file}: cannot read the weights ({err}); is it truncated?") from None
     check_state_dict(state, model, f"{path}")
     model.load_state_dict(state)
     return model

@@ -6,6 +6,7 @@ a bug in moespec and exits 1 with a hint to rerun with `--debug`.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from enum import Enum
 from pathlib import Path
@@ -144,31 +145,79 @@ def compile_command(
     _run(body)
 
 
+class DType(str, Enum):
+    fp32 = "fp32"
+    bf16 = "bf16"
+    fp16 = "fp16"
+
+    @property
+    def torch(self):
+        import torch
+
+        return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[self.value]
+
+
+SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20,
+              "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_size(text: str, option: str) -> int:
+    """Bytes from "2GB", "500MB", "1.5GiB" or a plain number of bytes (units as transformers reads them)."""
+    number = text.strip().upper().rstrip("BIKMGT")
+    unit = text.strip().upper()[len(number):]
+    try:
+        size = int(float(number) * SIZE_UNITS[unit])
+    except (KeyError, ValueError):
+        raise MoespecError(f"{option} {text!r}: expected a size such as 2GB, 500MB or 1GiB") from None
+    if size <= 0:
+        raise MoespecError(f"{option} {text!r}: must be positive")
+    return size
+
+
+@contextlib.contextmanager
+def progress(description: str):
+    """A rich progress bar on stderr while the block runs, fed by the `update(item, done, total)` it yields.
+    Silent when stderr is not a terminal."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[item]}"),
+                   TimeElapsedColumn(), console=Console(stderr=True), transient=True,
+                   disable=not sys.stderr.isatty())
+    task = bar.add_task(description, total=None, item="")
+    with bar:
+        yield lambda item, done, total: bar.update(task, completed=done, total=total, item=item)
+
+
 @app.command("upcycle")
 def upcycle_command(
     spec: Path = typer.Argument(..., help="Spec file."),
-    output: Path = typer.Option(..., "-o", "--output", help="Output .safetensors file."),
+    output: Path = typer.Option(..., "-o", "--output",
+                                help="Output .safetensors file; beyond --max-shard-size, shards and an index next to it."),
     checkpoint: Optional[Path] = typer.Option(None, "--checkpoint", "-c",
                                               help="Dense checkpoint (.safetensors/.pth/.bin); default: the spec's backbone."),
+    dtype: DType = typer.Option(DType.fp32, "--dtype", help="Precision of the written weights."),
+    max_shard_size: str = typer.Option("2GB", "--max-shard-size", help="Largest file to write, e.g. 2GB, 500MB, 1GiB."),
     force: bool = typer.Option(False, "--force", help="Overwrite an existing output."),
-    check: bool = typer.Option(True, "--check/--no-check", help="Compare logits with the dense model."),
+    check: bool = typer.Option(True, "--check/--no-check", help="Compare the result with the dense model."),
     seed: int = typer.Option(0, help="Seed for router init and expert noise."),
 ) -> None:
-    """Build the MoE model with experts copied from a dense checkpoint, and save it."""
+    """Build the MoE model with experts copied from a dense checkpoint and save it, one layer at a time."""
 
     def body() -> None:
-        from . import load_spec, save
-        from .upcycle import upcycle_with_report
+        from . import load_spec
+        from .upcycle import upcycle_to_checkpoint
 
+        limit = parse_size(max_shard_size, "--max-shard-size")
         _check_output(output, force)
-        model, report = upcycle_with_report(load_spec(spec), checkpoint, seed=seed, check=check)
-        save(model, output, force=force)
-        plan = model.moespec_plan
-        out.print(f"upcycled {len(plan.layers)} MoE layers of {plan.spec.backbone.model}", markup=False)
+        loaded = load_spec(spec)
+        with progress("upcycling MoE layers") as advance:
+            files, report = upcycle_to_checkpoint(loaded, output, checkpoint=checkpoint, seed=seed, dtype=dtype.torch,
+                                                  max_shard_size=limit, force=force, check=check, on_layer=advance)
         if report is not None:
             out.print(f"dense weights: {report.source}", markup=False)
             out.print(str(report), markup=False)
-        out.print(f"wrote {output}", markup=False)
+        shards = f" ({len(files) - 1} shards and an index)" if len(files) > 1 else ""
+        out.print(f"wrote {files[0]}{shards}", markup=False)
 
     _run(body)
 

@@ -3,24 +3,33 @@
 Every non-FFN weight is copied from the dense state dict; each expert (and shared expert) is a copy of the
 dense FFN, or of a subset of its hidden units when experts are narrower (`split: slice` gives every expert
 the leading units, `split: partition` gives expert i the i-th block); routers start N(0, 0.02^2) or zero.
+
+Two ways, the same weights for the same seed:
+    upcycle / upcycle_with_report   the whole MoE model in memory (to train it right away)
+    upcycle_to_checkpoint           streams to (sharded) safetensors: the dense model plus one MoE layer at a
+                                    time are in memory, never the whole MoE model (`moespec upcycle`)
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 from torch import fx, nn
 
 from .adapters import adapter_named
 from .backbone import create_backbone
-from .checkpoint import check_state_dict, read_state_dict
-from .compile import create_model, moe_layers
-from .layers import SoftMoE
+from .build import materialize
+from .checkpoint import (DEFAULT_MAX_SHARD_SIZE, CheckpointError, TensorInfo, check_state_dict, load, output_dtype,
+                         read_state_dict, spec_metadata, write_sharded)
+from .compile import compile_model, create_model, moe_layers
 from .errors import MoespecError
-from .plan import LayerPlan, Plan
+from .layers import SoftMoE
+from .plan import LayerPlan, Plan, plan_for
 from .spec import Spec
 
 
@@ -32,6 +41,7 @@ class UpcycleReport:
     max_abs_logit_diff: float
     max_abs_logit: float
     caveats: tuple[str, ...] = ()  # what in the spec changes the function, from `caveats(plan)`
+    scope: str = "model"  # "model": logits of the whole model; "layers": each MoE layer against its dense FFN
 
     @property
     def function_preserving(self) -> bool:
@@ -41,6 +51,9 @@ class UpcycleReport:
     def __str__(self) -> str:
         verdict = "yes" if self.function_preserving else "no"
         lines = [f"function-preserving: {verdict} (max |dlogit| = {self.max_abs_logit_diff:.3g})"]
+        if self.scope == "layers":
+            lines = [f"function-preserving: {verdict} (max |dy| = {self.max_abs_logit_diff:.3g} over the MoE layers, "
+                     f"each against its dense FFN; the model is too large to compare whole)"]
         if self.max_abs_logit == 0:
             lines = ["function-preserving: cannot tell (the dense logits are all 0, e.g. a zero-initialized head; "
                      "upcycle trained weights to check)"]
@@ -92,11 +105,21 @@ def dense_model(spec: Spec, checkpoint: str | Path | None = None) -> tuple[nn.Mo
         dense = create_backbone(spec)
         state = read_state_dict(checkpoint)
         check_state_dict(state, dense, f"checkpoint {checkpoint}")
+        refuse_non_finite(state, str(checkpoint))
         dense.load_state_dict(state)
         return dense, str(checkpoint)
     if spec.backbone.pretrained:
         return create_backbone(spec, pretrained=True), f"timm pretrained {spec.backbone.model}"
     return create_backbone(spec), f"fresh {spec.backbone.model} (random init)"
+
+
+def refuse_non_finite(state: dict[str, torch.Tensor], source: str) -> None:
+    """Upcycling copies weights into every expert: a NaN or Inf would poison them all."""
+    bad = [name for name, t in state.items() if t.is_floating_point() and not torch.isfinite(t).all()]
+    if bad:
+        more = f" (+{len(bad) - 3} more)" if len(bad) > 3 else ""
+        raise CheckpointError(f"{source}: {', '.join(bad[:3])}{more} hold NaN or Inf values; refusing to upcycle "
+                              f"from a diverged or corrupted checkpoint")
 
 
 def upcycle(spec: Spec, checkpoint: str | Path | None = None, *, seed: int = 0) -> fx.GraphModule:
@@ -177,3 +200,100 @@ def compare(dense: nn.Module, model: nn.Module, input_size: tuple[int, int, int]
     moe_logits = model.eval()(x)
     diff = (dense_logits - moe_logits).abs().max().item()
     return UpcycleReport(source, diff, dense_logits.abs().max().item())
+
+
+def upcycle_to_checkpoint(spec: Spec, output: str | Path, *, checkpoint: str | Path | None = None, seed: int = 0,
+                          dtype: torch.dtype | None = None, max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
+                          force: bool = False, check: bool = True,
+                          on_layer: Callable[[str, int, int], None] | None = None) -> tuple[list[Path], UpcycleReport | None]:
+    """Upcycle `spec` straight into a (sharded) safetensors checkpoint at `output`, streaming.
+
+    The MoE layers are built on the meta device; while the shards are written, each layer is materialized,
+    filled from the dense FFN, written and freed, so peak memory is the dense model plus one MoE layer.
+    Weights equal `upcycle(spec, checkpoint, seed=seed)`'s (cast to `dtype`). The check compares the logits
+    of the written model, loaded back, with the dense model's (dense weights rounded to `dtype` too) when
+    the MoE model takes at most a quarter of this machine's memory, else each MoE layer against its dense
+    FFN as it is built. `on_layer(path, done, total)` is called after each MoE layer is written.
+    Returns the files written (index first) and the check's report (None without `check`).
+    """
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)  # fresh inits (dense model without weights, rebuilt blocks) are reproducible
+        generator = torch.Generator().manual_seed(seed)
+        dense, source = dense_model(spec, checkpoint)
+        plan = plan_for(spec, dense)
+        dense_state = dense.state_dict()  # keeps the FFN weights reachable once the MoE model replaces them
+        model = compile_model(dense, plan, moe_device="meta")  # shares every other module with `dense`
+        state = model.state_dict()
+        params = sum(t.numel() for t in state.values())
+        whole = check and params * 4 <= _memory_bytes() / 4
+        layers = _LayerStream(model, plan, dense, dense_state, generator, per_layer_check=check and not whole,
+                              on_layer=on_layer)
+        infos = [TensorInfo(name, tuple(t.shape), output_dtype(t.dtype, dtype)) for name, t in state.items()]
+        files = write_sharded(output, infos, lambda info: layers.tensor(info.name, state).to(info.dtype),
+                              spec_metadata(spec), max_shard_size=max_shard_size, force=force)
+    if not check:
+        return files, None
+    if whole:
+        if dtype is not None:  # compare like with like: the dense weights rounded as the experts were
+            dense.to(dtype).float()
+        report = compare(dense, load(output), plan.input_size, source, torch.Generator().manual_seed(seed + 1))
+    else:
+        report = UpcycleReport(source, layers.max_diff, layers.max_output, scope="layers")
+    return files, dataclasses.replace(report, caveats=caveats(plan))
+
+
+class _LayerStream:
+    """Hands out the tensors of a model whose MoE layers are on the meta device: each layer is materialized
+    and upcycled when its first tensor is asked for, and freed after its last."""
+
+    def __init__(self, model: nn.Module, plan: Plan, dense: nn.Module, dense_state: dict[str, torch.Tensor],
+                 generator: torch.Generator, *, per_layer_check: bool,
+                 on_layer: Callable[[str, int, int], None] | None):
+        self.layers, self.plan, self.dense, self.dense_state = moe_layers(model), plan, dense, dense_state
+        self.generator, self.per_layer_check, self.on_layer = generator, per_layer_check, on_layer
+        self.check_generator = torch.Generator().manual_seed(generator.initial_seed() + 1)
+        self.current: tuple[str, dict[str, torch.Tensor]] | None = None
+        self.done = 0
+        self.max_diff = self.max_output = 0.0
+        names = list(model.state_dict())
+        self.owner = {name: path for name in names for path in self.layers if name.startswith(path + ".")}
+        self.last = {path: name for name, path in self.owner.items()}  # state-dict order: a layer's names are contiguous
+
+    def tensor(self, name: str, state: dict[str, torch.Tensor]) -> torch.Tensor:
+        path = self.owner.get(name)
+        if path is None:
+            return state[name]
+        if self.current is None or self.current[0] != path:
+            self.current = (path, self._build(path))
+        tensor = self.current[1][name[len(path) + 1:]]
+        if name == self.last[path]:
+            self.layers[path].to_empty(device="meta")  # free it: the next layer reuses the memory
+            self.current = None
+            self.done += 1
+            if self.on_layer is not None:
+                self.on_layer(path, self.done, len(self.layers))
+        return tensor
+
+    def _build(self, path: str) -> dict[str, torch.Tensor]:
+        layer = materialize(self.layers[path])  # fresh init: what rebuilt (rescaled) blocks keep
+        if self.plan.rebuilt(path) is None:
+            ffn_state = {k[len(path) + 1:]: v for k, v in self.dense_state.items() if k.startswith(path + ".")}
+            with torch.no_grad():
+                _upcycle_layer(layer, self.plan.layer(path), ffn_state, self.plan.spec, self.generator)
+            if self.per_layer_check:
+                self._check(self.dense.get_submodule(path), layer)
+        return layer.state_dict()
+
+    @torch.no_grad()
+    def _check(self, ffn: nn.Module, layer: nn.Module) -> None:
+        """Max |MoE layer - dense FFN| on random items: [2, 16, C] tokens, or a [2, C, 4, 4] map."""
+        dim = layer.experts.in_features
+        shape = (2, dim, 4, 4) if layer.channels_dim == 1 else (2, 16, dim)
+        x = torch.randn(shape, generator=self.check_generator)
+        dense_y, moe_y = ffn.eval()(x), layer.eval()(x)
+        self.max_diff = max(self.max_diff, (dense_y - moe_y).abs().max().item())
+        self.max_output = max(self.max_output, dense_y.abs().max().item())
+
+
+def _memory_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -48,11 +48,11 @@ def test_a_failed_write_leaves_nothing_behind(tmp_path, monkeypatch):
     model = moespec.create_model(make_spec(TINY_VIT, SPEC))
 
     def explode(*args, **kwargs):
-        with open(args[1], "wb") as f:
+        with open(args[0], "wb") as f:
             f.write(b"partial")
         raise OSError("disk full")
 
-    monkeypatch.setattr("moespec.checkpoint.save_file", explode)
+    monkeypatch.setattr("moespec.checkpoint.write_safetensors", explode)
     with pytest.raises(OSError):
         moespec.save(model, tmp_path / "moe.safetensors")
     assert list(tmp_path.iterdir()) == []

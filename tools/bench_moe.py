@@ -1,6 +1,7 @@
 """Benchmark the MoE layer against a dense FFN of equal activated FLOPs, Soft MoE scaling, and whole models.
 
-    python tools/bench_moe.py [--quick] [--device cpu|cuda] [--dtype fp32|bf16] [--json out.json]
+    python tools/bench_moe.py [--quick] [--device cpu|cuda] [--dtype fp32|bf16] [--dispatch auto|loop|padded|grouped_mm]
+                              [--only layer|soft|model] [--json out.json]
 
 1. Layer: top-k MoE (E experts of width 4d, top-k) vs a dense FFN of width k * 4d on the same T tokens,
    d = 384, measured interleaved in one process; median ms and the ratio MoE / dense, forward and
@@ -120,12 +121,15 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a few settings only")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    parser.add_argument("--dispatch", default="auto", choices=["auto", "loop", "padded", "grouped_mm"],
+                        help="force the experts' step (default: picked by device, dtype and size)")
     parser.add_argument("--json", help="also write the figures to this file")
     parser.add_argument("--only", choices=["layer", "soft", "model"], action="append")
     args = parser.parse_args()
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     parts = args.only or ["layer", "soft", "model"]
-    results = {"device": args.device, "dtype": args.dtype, "threads": torch.get_num_threads()}
+    Experts.dispatch = args.dispatch
+    results = {"device": args.device, "dtype": args.dtype, "dispatch": args.dispatch, "threads": torch.get_num_threads()}
     for part, fn in (("layer", layer_bench), ("soft", soft_bench), ("model", model_bench)):
         if part in parts:
             results[part] = fn(args.device, dtype, args.quick)

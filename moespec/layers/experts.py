@@ -3,9 +3,14 @@
     fc1 -> [norm] -> act -> [norm | grn] -> dropout -> fc2 -> dropout        (plain FFN)
     fc1 -> split (a, b) -> act(a) * b  or  a * act(b) -> [norm] -> ... -> fc2  (gated, GLU / SwiGLU)
 
-Stacked weights (`fc1.weight: [E, H, C]`) keep the bank usable by batched kernels; the per-expert loop
+Weights are stacked (`fc1.weight: [E, H, C]`) and only ever used through batched ops: the per-expert loop
 takes views with `unbind(0)` once per forward, whose backward writes one stacked gradient (indexing
-`weight[e]` per expert would allocate a full-size gradient per expert).
+`weight[e]` per expert would allocate a full-size gradient per expert). The expert step over the rows
+(sorted by expert, `counts[e]` rows for expert e) is picked by device, dtype and size (`Experts.dispatch`):
+
+    grouped_mm  CUDA, bf16, Hopper or newer: `F.grouped_mm` over the jagged segments, no host sync
+    padded      rows scattered into [E, max count, C] and two `bmm`s: small inputs on CPU, any other CUDA case
+    loop        one dense matmul per contiguous segment: large inputs on CPU, and GRN experts everywhere
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ from torch import nn
 
 GateOrder = Literal["act_first", "act_last"]  # act(a) * b (SwiGLU)  |  a * act(b) (timm GluMlp default)
 InnerNorm = Literal["none", "layernorm", "layernorm_before_act", "grn"]
+Dispatch = Literal["auto", "loop", "padded", "grouped_mm"]
+PADDED_MAX_ROWS = 4096  # CPU: below this many routed rows, one padded bmm beats E small matmuls
 
 
 class StackedLinear(nn.Module):
@@ -31,7 +38,9 @@ class StackedLinear(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        nn.init.trunc_normal_(self.weight, std=0.02)
+        # timm's init, trunc_normal_(std=0.02) truncated at +-2 (100 sigma), is this normal in distribution;
+        # normal_ is twice as fast, which matters for billions of expert weights
+        nn.init.normal_(self.weight, std=0.02)
         if self.bias is not None:
             nn.init.zeros_(self.bias)
 
@@ -47,6 +56,10 @@ class StackedNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(experts, features))
         self.bias = nn.Parameter(torch.zeros(experts, features))
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+        nn.init.zeros_(self.bias)
 
 
 class Experts(nn.Module):
@@ -104,16 +117,44 @@ class Experts(nn.Module):
         norm = 5 * self.hidden if self.inner_norm in ("layernorm", "layernorm_before_act") else 0
         return self.fc1.in_features * self.fc1.out_features + self.fc2.in_features * self.fc2.out_features + norm
 
-    def forward(self, x: torch.Tensor, counts: Sequence[int], groups: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, counts: torch.Tensor, groups: torch.Tensor | None = None) -> torch.Tensor:
         """Run expert e on rows `x[offset_e : offset_e + counts[e]]`.
 
         Args:
             x: [S, C] routed items sorted by expert.
-            counts: items per expert (E ints summing to S).
+            counts: [E] items per expert (summing to S), on x's device.
             groups: [S] image index of each row; needed only by the "grn" inner norm.
         Returns:
             [S, C'] expert outputs in the same order.
         """
+        strategy = self.strategy(x)
+        if strategy == "loop":
+            return self._loop(x, counts.tolist(), groups)
+        expert = torch.repeat_interleave(torch.arange(self.num_experts, device=x.device), counts,
+                                         output_size=x.shape[0])  # expert of each row
+        if strategy == "grouped_mm":
+            return self._grouped(x, counts, expert)
+        return self._padded(x, counts, expert)
+
+    dispatch: Dispatch = "auto"  # set on an instance (or the class) to force one expert step
+
+    def strategy(self, x: torch.Tensor) -> str:
+        """The expert step for rows `x`: `dispatch` unless "auto", else by device, dtype and size."""
+        if self.dispatch != "auto" or self.needs_groups:
+            return "loop" if self.needs_groups else self.dispatch
+        if x.is_cuda:
+            hopper = torch.cuda.get_device_capability(x.device) >= (9, 0)
+            if x.dtype == torch.bfloat16 and hopper and hasattr(F, "grouped_mm") and self._aligned(x.element_size()):
+                return "grouped_mm"
+            return "padded"
+        return "padded" if x.shape[0] <= PADDED_MAX_ROWS else "loop"
+
+    def _aligned(self, element_size: int) -> bool:
+        """grouped_mm kernels need every row stride to be a multiple of 16 bytes."""
+        widths = (self.in_features, self.fc1.out_features, self.hidden, self.out_features)
+        return all(width * element_size % 16 == 0 for width in widths)
+
+    def _loop(self, x: torch.Tensor, counts: Sequence[int], groups: torch.Tensor | None) -> torch.Tensor:
         params = [self._unbind(p) for p in self._param_list()]
         outputs = []
         start = 0
@@ -127,6 +168,32 @@ class Experts(nn.Module):
         if not outputs:
             return x.new_zeros(0, self.out_features)
         return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
+
+    def _padded(self, x: torch.Tensor, counts: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
+        """Rows scattered into a zero-padded [E, M, C] batch (M = the largest segment), batched expert, gathered
+        back. Padding rows get zero gradient: their outputs are never gathered."""
+        slot = torch.arange(x.shape[0], device=x.device) - (torch.cumsum(counts, 0) - counts)[expert]
+        width = int(counts.max()) if x.shape[0] else 0
+        padded = x.new_zeros(self.num_experts, width, x.shape[1]).index_put((expert, slot), x)
+        return self.batched(padded)[expert, slot]
+
+    def batched(self, x: torch.Tensor) -> torch.Tensor:
+        """Expert e on every row of x[e]: x [E, M, C] -> [E, M, C'], two batched matmuls (not for GRN experts)."""
+        params = [p.unsqueeze(1) if p is not None and p.dim() == 2 else p for p in self._param_list()]
+        return self._expert(x, params, None)
+
+    def _grouped(self, x: torch.Tensor, counts: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
+        """`F.grouped_mm` over the jagged segments (offsets stay on the device: no host sync); biases and norm
+        parameters are gathered per row."""
+        offsets = torch.cumsum(counts, 0).to(torch.int32)
+        w1, b1, norm_w, norm_b, w2, b2 = self._param_list()
+
+        def linear(h, w, b):
+            h = F.grouped_mm(h, w.transpose(-2, -1), offs=offsets)
+            return h + b.index_select(0, expert) if b is not None else h
+
+        rowwise = [None if p is None else p.index_select(0, expert) for p in (norm_w, norm_b)]
+        return self._expert(x, [w1, b1, *rowwise, w2, b2], None, linear=linear)
 
     def forward_all(self, x: torch.Tensor, groups: torch.Tensor | None = None) -> torch.Tensor:
         """Every expert on every row, summed: the always-active shared experts. x: [T, C] -> [T, C']."""
@@ -152,22 +219,42 @@ class Experts(nn.Module):
     def _unbind(p: torch.Tensor | None) -> Sequence[torch.Tensor] | None:
         return p.unbind(0) if p is not None else None
 
-    def _expert(self, x: torch.Tensor, params: list, groups: torch.Tensor | None) -> torch.Tensor:
+    def _expert(self, x: torch.Tensor, params: list, groups: torch.Tensor | None, linear=None) -> torch.Tensor:
+        """One expert on rows x [S, C] (params of one expert), or every expert on a padded batch [E, M, C]
+        (stacked params, norm params [E, 1, H]); `linear` overrides how fc1 / fc2 are applied."""
         w1, b1, norm_w, norm_b, w2, b2 = params
-        h = F.linear(x, w1, b1)
+        linear = linear or _linear
+        h = linear(x, w1, b1)
         if self.gate is not None:
             a, b = h.chunk(2, dim=-1)
             h = self.act(a) * b if self.gate == "act_first" else a * self.act(b)
         elif self.inner_norm == "layernorm_before_act":
-            h = self.act(F.layer_norm(h, (self.hidden,), norm_w, norm_b, self.norm.eps))
+            h = self.act(_layer_norm(h, norm_w, norm_b, self.norm.eps))
         else:
             h = self.act(h)
         if self.inner_norm == "layernorm":
-            h = F.layer_norm(h, (self.hidden,), norm_w, norm_b, self.norm.eps)
+            h = _layer_norm(h, norm_w, norm_b, self.norm.eps)
         elif self.inner_norm == "grn":
             h = _global_response_norm(h, norm_w, norm_b, self.norm.eps, groups)
         h = F.dropout(h, self.drop[0], self.training)
-        return F.dropout(F.linear(h, w2, b2), self.drop[1], self.training)
+        return F.dropout(linear(h, w2, b2), self.drop[1], self.training)
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """F.linear for one expert (weight [H, C]), or a batched linear for all experts (x [E, M, C], weight
+    [E, H, C], bias [E, 1, H])."""
+    if weight.dim() == 2:
+        return F.linear(x, weight, bias)
+    if bias is None:
+        return torch.bmm(x, weight.transpose(1, 2))
+    return torch.baddbmm(bias, x, weight.transpose(1, 2))
+
+
+def _layer_norm(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
+    """LayerNorm over the last axis with affine params of one expert ([H]) or broadcast per row ([..., H])."""
+    if weight.dim() == 1:
+        return F.layer_norm(h, h.shape[-1:], weight, bias, eps)
+    return torch.addcmul(bias, F.layer_norm(h, h.shape[-1:], eps=eps), weight)
 
 
 def _global_response_norm(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float, groups: torch.Tensor | None) -> torch.Tensor:

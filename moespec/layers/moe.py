@@ -58,7 +58,7 @@ class MoE(nn.Module):
             groups = torch.arange(images, device=x.device).repeat_interleave(items.shape[0] // images)
         routing = self.router(items, images)
         rows = routing.item
-        out = self.experts(items[rows], routing.counts.tolist(), groups[rows] if groups is not None else None)
+        out = self.experts(items[rows], routing.counts, groups[rows] if groups is not None else None)
         y = items.new_zeros(items.shape[0], out.shape[-1]).index_add_(0, rows, out * routing.weights.unsqueeze(-1))
         if self.shared is not None:
             y = y + self.shared.forward_all(items, groups)

@@ -26,6 +26,9 @@ class LinearGate(nn.Module):
     def __init__(self, dim: int, experts: int):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(experts, dim))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
         nn.init.normal_(self.weight, std=0.02)
 
     def macs_per_item(self) -> int:
@@ -46,6 +49,9 @@ class ProjectedGate(nn.Module):
         self.metric, self.temperature = metric, temperature
         self.proj = nn.Linear(dim, proj_dim, bias=False)
         self.weight = nn.Parameter(torch.empty(experts, proj_dim))  # expert codes
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
         nn.init.normal_(self.proj.weight, std=0.02)
         nn.init.normal_(self.weight, std=0.02)
 

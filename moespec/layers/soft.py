@@ -37,11 +37,16 @@ class SoftMoE(nn.Module):
         self.slots_per_expert = slots_per_expert
         slots = experts.num_experts * slots_per_expert
         self.phi = nn.Parameter(torch.empty(experts.in_features, slots))
-        nn.init.normal_(self.phi, std=experts.in_features ** -0.5)  # LeCun normal, as in the paper
-        self.scale = nn.Parameter(torch.ones(()))
+        self.scale = nn.Parameter(torch.empty(()))
+        self.reset_parameters()
         self.aux_losses: dict[str, torch.Tensor] = {}  # Soft MoE needs no load balancing
         self.last_dispatch: torch.Tensor | None = None
         self.last_items = self.last_images = 0
+
+    def reset_parameters(self) -> None:
+        """phi and the scale only; the expert banks reset themselves."""
+        nn.init.normal_(self.phi, std=self.experts.in_features ** -0.5)  # LeCun normal, as in the paper
+        nn.init.ones_(self.scale)
 
     @property
     def num_experts(self) -> int:
@@ -60,8 +65,13 @@ class SoftMoE(nn.Module):
         dispatch, combine = self.weights(tokens)
         slot_inputs = torch.einsum("bns,bnc->bsc", dispatch, tokens)  # [B, S, C]
         experts, p = self.num_experts, self.slots_per_expert
-        rows = slot_inputs.reshape(images, experts, p, dim).transpose(0, 1).reshape(experts * images * p, dim)
-        out = self.experts(rows, [images * p] * experts)
+        rows = slot_inputs.reshape(images, experts, p, dim).transpose(0, 1).reshape(experts, images * p, dim)
+        if self.experts.needs_groups:  # GRN normalizes over each image's slots of an expert
+            groups = torch.arange(images, device=x.device).repeat_interleave(p).repeat(experts)
+            counts = torch.full((experts,), images * p, device=x.device)
+            out = self.experts(rows.reshape(-1, dim), counts, groups)
+        else:
+            out = self.experts.batched(rows)  # every expert has the same number of slots: no padding
         slot_outputs = out.reshape(experts, images, p, -1).transpose(0, 1).reshape(images, self.slots, -1)
         y = torch.einsum("bns,bsc->bnc", combine, slot_outputs)
         if self.shared is not None:
