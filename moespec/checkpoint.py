@@ -24,7 +24,7 @@ import struct
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterator, Mapping, Sequence
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -67,13 +67,15 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def check_state_dict(state: dict[str, torch.Tensor], reference: nn.Module, what: str) -> None:
-    """Raise a CheckpointError naming the first missing / unexpected keys and mismatched shapes."""
+def check_state_dict(state: Mapping[str, torch.Tensor | tuple[int, ...]], reference: nn.Module, what: str) -> None:
+    """Raise a CheckpointError naming the first missing / unexpected keys and mismatched shapes. `state` maps
+    names to tensors, or to shapes (read from file headers without loading the data)."""
     expected = {k: tuple(v.shape) for k, v in reference.state_dict().items()}
-    missing = [k for k in expected if k not in state]
-    unexpected = [k for k in state if k not in expected]
-    mismatched = [f"{k}: checkpoint {tuple(state[k].shape)} vs model {expected[k]}"
-                  for k in expected if k in state and tuple(state[k].shape) != expected[k]]
+    shapes = {k: tuple(v.shape) if isinstance(v, torch.Tensor) else tuple(v) for k, v in state.items()}
+    missing = [k for k in expected if k not in shapes]
+    unexpected = [k for k in shapes if k not in expected]
+    mismatched = [f"{k}: checkpoint {shapes[k]} vs model {expected[k]}"
+                  for k in expected if k in shapes and shapes[k] != expected[k]]
     if missing or unexpected or mismatched:
         lines = [f"{what} does not fit the backbone:"]
         for title, items in (("missing keys", missing), ("unexpected keys", unexpected), ("shape mismatches", mismatched)):
@@ -304,20 +306,24 @@ def read_spec(path: str | Path):
 
 def load(path: str | Path, *, device: str | torch.device = "cpu") -> nn.Module:
     """Rebuild the MoE model from the spec inside a moespec checkpoint (one file or shards) and load its
-    weights (cast to the model's dtype)."""
+    weights tensor by tensor (cast to the model's dtype), so memory holds the model plus one tensor."""
     from .compile import create_model
 
     spec = read_spec(path)
     _, files = checkpoint_files(path)
     model = create_model(spec, device=device)
-    state: dict[str, torch.Tensor] = {}
-    for file in files:
-        try:
-            state.update(load_file(str(file), device=str(device)))
-        except (SafetensorError, OSError) as err:
-            raise CheckpointError(f"{file}: cannot read the weights ({err}); is it truncated?") from None
-    check_state_dict(state, model, f"{path}")
-    model.load_state_dict(state)
+    try:
+        with contextlib.ExitStack() as stack:
+            readers = [stack.enter_context(safe_open(str(file), "pt", device=str(device))) for file in files]
+            shapes = {name: tuple(r.get_slice(name).get_shape()) for r in readers for name in r.keys()}
+            check_state_dict(shapes, model, f"{path}")
+            targets = model.state_dict()
+            with torch.no_grad():
+                for reader in readers:
+                    for name in reader.keys():
+                        targets[name].copy_(reader.get_tensor(name))
+    except (SafetensorError, OSError) as err:
+        raise CheckpointError(f"{path}: cannot read the weights ({err}); is it truncated?") from None
     return model
 
 
