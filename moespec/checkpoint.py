@@ -41,8 +41,12 @@ SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16:
                       torch.uint8: "U8", torch.bool: "BOOL"}
 
 
-def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
-    """A dense state dict from .safetensors, or .pth / .pt / .bin (plain, or under "state_dict" / "model")."""
+def read_state_dict(path: str | Path, *, trust_pickle: bool = False) -> dict[str, torch.Tensor]:
+    """A dense state dict from .safetensors, or .pth / .pt / .bin (plain, or under "state_dict" / "model").
+
+    Pickled files are read with `weights_only=True`; a file that needs arbitrary unpickling (a training
+    checkpoint holding an argparse Namespace, say) is refused unless `trust_pickle`, since unpickling can run
+    any code the file's author wrote."""
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"{path}: no such checkpoint file")
@@ -52,11 +56,14 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
         if path.suffix == ".safetensors":
             state = load_file(str(path))
         else:
-            state = torch.load(path, map_location="cpu", weights_only=True)
+            state = torch.load(path, map_location="cpu", weights_only=not trust_pickle)
     except (SafetensorError, RuntimeError, EOFError, OSError, ValueError) as err:
         raise CheckpointError(f"{path}: cannot read checkpoint ({type(err).__name__}: {err}); is it truncated or not a checkpoint?") from None
     except Exception as err:  # torch.load's weights_only refusals are pickle.UnpicklingError
-        raise CheckpointError(f"{path}: refused to load ({err.__class__.__name__}); moespec only loads plain tensors") from None
+        first = str(err).strip().splitlines()[-1] if str(err).strip() else err.__class__.__name__
+        raise CheckpointError(f"{path}: refused to unpickle ({first[:200]}); moespec loads plain tensors only. If you "
+                              f"trust this file, pass --trust-pickle (trust_pickle=True): unpickling can run "
+                              f"arbitrary code") from None
     for key in ("state_dict", "model"):
         if isinstance(state, dict) and isinstance(state.get(key), dict):
             state = state[key]

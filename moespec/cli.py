@@ -200,6 +200,8 @@ def upcycle_command(
     force: bool = typer.Option(False, "--force", help="Overwrite an existing output."),
     check: bool = typer.Option(True, "--check/--no-check", help="Compare the result with the dense model."),
     seed: int = typer.Option(0, help="Seed for router init and expert noise."),
+    trust_pickle: bool = typer.Option(False, "--trust-pickle",
+                                      help="Unpickle a .pth/.bin checkpoint that is not plain tensors (runs its code)."),
 ) -> None:
     """Build the MoE model with experts copied from a dense checkpoint and save it, one layer at a time."""
 
@@ -212,7 +214,8 @@ def upcycle_command(
         loaded = load_spec(spec)
         with progress("upcycling MoE layers") as advance:
             files, report = upcycle_to_checkpoint(loaded, output, checkpoint=checkpoint, seed=seed, dtype=dtype.torch,
-                                                  max_shard_size=limit, force=force, check=check, on_layer=advance)
+                                                  max_shard_size=limit, force=force, check=check,
+                                                  trust_pickle=trust_pickle, on_layer=advance)
         if report is not None:
             out.print(f"dense weights: {report.source}", markup=False)
             out.print(str(report), markup=False)

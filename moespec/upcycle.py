@@ -93,7 +93,8 @@ def caveats(plan: Plan) -> tuple[str, ...]:
     return tuple(found)
 
 
-def dense_model(spec: Spec, checkpoint: str | Path | None = None) -> tuple[nn.Module, str]:
+def dense_model(spec: Spec, checkpoint: str | Path | None = None, *,
+                trust_pickle: bool = False) -> tuple[nn.Module, str]:
     """The dense backbone with the weights to upcycle from, and a description of their source.
 
     Source, first that applies: `checkpoint`, the spec's `backbone.checkpoint` (relative to the spec file),
@@ -103,7 +104,7 @@ def dense_model(spec: Spec, checkpoint: str | Path | None = None) -> tuple[nn.Mo
         checkpoint = spec.resolve_path(spec.backbone.checkpoint)
     if checkpoint is not None:
         dense = create_backbone(spec)
-        state = read_state_dict(checkpoint)
+        state = read_state_dict(checkpoint, trust_pickle=trust_pickle)
         check_state_dict(state, dense, f"checkpoint {checkpoint}")
         refuse_non_finite(state, str(checkpoint))
         dense.load_state_dict(state)
@@ -122,16 +123,17 @@ def refuse_non_finite(state: dict[str, torch.Tensor], source: str) -> None:
                               f"from a diverged or corrupted checkpoint")
 
 
-def upcycle(spec: Spec, checkpoint: str | Path | None = None, *, seed: int = 0) -> fx.GraphModule:
+def upcycle(spec: Spec, checkpoint: str | Path | None = None, *, seed: int = 0,
+            trust_pickle: bool = False) -> fx.GraphModule:
     """The MoE model of `spec` with every expert copied from the dense FFN (see `dense_model` for sources)."""
-    model, _ = upcycle_with_report(spec, checkpoint, seed=seed, check=False)
+    model, _ = upcycle_with_report(spec, checkpoint, seed=seed, check=False, trust_pickle=trust_pickle)
     return model
 
 
 def upcycle_with_report(spec: Spec, checkpoint: str | Path | None = None, *, seed: int = 0,
-                        check: bool = True) -> tuple[fx.GraphModule, UpcycleReport | None]:
+                        check: bool = True, trust_pickle: bool = False) -> tuple[fx.GraphModule, UpcycleReport | None]:
     """`upcycle`, plus a comparison of the upcycled model's logits with the dense model's on random input."""
-    dense, source = dense_model(spec, checkpoint)
+    dense, source = dense_model(spec, checkpoint, trust_pickle=trust_pickle)
     generator = torch.Generator().manual_seed(seed)
     model = create_model(spec)
     upcycle_into(model, model.moespec_plan, dense.state_dict(), generator)
@@ -204,7 +206,7 @@ def compare(dense: nn.Module, model: nn.Module, input_size: tuple[int, int, int]
 
 def upcycle_to_checkpoint(spec: Spec, output: str | Path, *, checkpoint: str | Path | None = None, seed: int = 0,
                           dtype: torch.dtype | None = None, max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
-                          force: bool = False, check: bool = True,
+                          force: bool = False, check: bool = True, trust_pickle: bool = False,
                           on_layer: Callable[[str, int, int], None] | None = None) -> tuple[list[Path], UpcycleReport | None]:
     """Upcycle `spec` straight into a (sharded) safetensors checkpoint at `output`, streaming.
 
@@ -219,7 +221,7 @@ def upcycle_to_checkpoint(spec: Spec, output: str | Path, *, checkpoint: str | P
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)  # fresh inits (dense model without weights, rebuilt blocks) are reproducible
         generator = torch.Generator().manual_seed(seed)
-        dense, source = dense_model(spec, checkpoint)
+        dense, source = dense_model(spec, checkpoint, trust_pickle=trust_pickle)
         plan = plan_for(spec, dense)
         dense_state = dense.state_dict()  # keeps the FFN weights reachable once the MoE model replaces them
         model = compile_model(dense, plan, moe_device="meta")  # shares every other module with `dense`

@@ -1,0 +1,170 @@
+"""Reliability: nothing half-written when killed, no unpickling by default, corrupt and mismatched
+checkpoints refused clearly, bit-identical weights per seed, deterministic eval routing, finite aux losses."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import struct
+import subprocess
+import sys
+import textwrap
+from argparse import Namespace
+
+import pytest
+import torch
+
+import moespec
+from moespec.checkpoint import SPEC_HASH_KEY, SPEC_KEY, atomic_output, read_state_dict
+from moespec.errors import CheckpointError
+from moespec.layers import MOE_LAYERS
+
+from .conftest import TINY_INPUT, TINY_VIT, make_spec
+
+SPEC = [{"where": {"every": 1}, "experts": 4, "top_k": 2, "router": {"normalize": True}}]
+
+
+def _state_hash(model: torch.nn.Module) -> str:
+    digest = hashlib.sha256()
+    for name, tensor in model.state_dict().items():
+        digest.update(name.encode())
+        digest.update(tensor.contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def test_a_killed_write_leaves_no_output_and_the_next_write_removes_its_temp_file(tmp_path):
+    target = tmp_path / "model.safetensors"
+    writer = textwrap.dedent(f"""
+        import sys, time, torch
+        from moespec.checkpoint import TensorInfo, write_sharded
+        infos = [TensorInfo(f"t{{i}}", (1000,), torch.float32) for i in range(5)]
+        def tensor(info):
+            if info.name == "t2":
+                print("writing", flush=True)
+                time.sleep(60)  # killed here, half-way through the file
+            return torch.ones(1000)
+        write_sharded({str(target)!r}, infos, tensor, {{}})
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", writer], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "writing"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    leftovers = list(tmp_path.iterdir())
+    assert not target.exists() and len(leftovers) == 1 and leftovers[0].name.startswith(".model.safetensors.")
+    with atomic_output(target) as tmp:  # the next write to the same path
+        tmp.write_bytes(b"done")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors"]
+
+
+def test_a_live_writers_temp_file_is_left_alone(tmp_path):
+    target = tmp_path / "model.safetensors"
+    mine = tmp_path / f".model.safetensors.{os.getpid()}.abc.tmp"
+    mine.write_bytes(b"in progress")
+    with atomic_output(target) as tmp:
+        tmp.write_bytes(b"done")
+    assert mine.exists()
+
+
+def test_pickles_that_need_code_are_refused_unless_trusted(tmp_path, dense_checkpoint):
+    _, dense = dense_checkpoint(TINY_VIT)
+    path = tmp_path / "train_state.pth"
+    torch.save({"model": dense.state_dict(), "args": Namespace(lr=0.1)}, path)  # as timm's train.py saves
+    with pytest.raises(CheckpointError, match="refused to unpickle .*pass --trust-pickle"):
+        read_state_dict(path)
+    assert set(read_state_dict(path, trust_pickle=True)) == set(dense.state_dict())
+    (tmp_path / "spec.yaml").write_text(
+        "backbone: {model: vit_small_patch16_224, kwargs: {depth: 2, img_size: 64, num_classes: 10}}\n"
+        "input_size: [3, 64, 64]\nmoe: [{where: {every: 1}, experts: 2, top_k: 1}]\n")
+    run = subprocess.run([sys.executable, "-m", "moespec.cli", "upcycle", "spec.yaml", "-c", path.name, "-o", "o.safetensors",
+                          "--no-check"], cwd=tmp_path, capture_output=True, text=True)
+    assert run.returncode == 2 and "--trust-pickle" in run.stderr and "Traceback" not in run.stderr
+    assert not (tmp_path / "o.safetensors").exists()
+
+
+def _rewrite_header(path, edit):
+    raw = path.read_bytes()
+    size = struct.unpack("<Q", raw[:8])[0]
+    header = json.loads(raw[8 : 8 + size])
+    edit(header)
+    blob = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(blob)) + blob + raw[8 + size :])
+
+
+def test_corrupt_and_foreign_checkpoints_are_refused_clearly(tmp_path):
+    path = moespec.save(moespec.create_model(make_spec(TINY_VIT, SPEC)), tmp_path / "moe.safetensors")
+    garbage = tmp_path / "garbage.safetensors"
+    garbage.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all")
+    with pytest.raises(CheckpointError, match="not a readable safetensors file"):
+        moespec.load(garbage)
+    # weights of one spec under another spec's (correctly hashed) header: the spec decides the model
+    other = make_spec(TINY_VIT, [{**SPEC[0], "experts": 3}]).to_yaml()
+
+    def swap_spec(header):
+        header["__metadata__"][SPEC_KEY] = other
+        header["__metadata__"][SPEC_HASH_KEY] = hashlib.sha256(other.encode()).hexdigest()
+
+    _rewrite_header(path, swap_spec)
+    with pytest.raises(CheckpointError, match=r"does not fit the backbone:\n  .*shape mismatches: blocks.0.mlp"):
+        moespec.load(path)
+
+
+def test_same_seed_gives_bit_identical_weights(tmp_path):
+    spec = make_spec(TINY_VIT, SPEC)
+    hashes = []
+    for seed in (1, 1, 2):
+        torch.manual_seed(seed)
+        hashes.append(_state_hash(moespec.create_model(spec)))
+    assert hashes[0] == hashes[1] != hashes[2]
+    digests = []
+    for seed, name in ((5, "a"), (5, "b"), (6, "c")):  # streamed upcycling from a fresh dense init
+        files, _ = moespec.upcycle_to_checkpoint(spec, tmp_path / f"{name}.safetensors", seed=seed, check=False)
+        digests.append(hashlib.sha256(files[0].read_bytes()).hexdigest())
+    assert digests[0] == digests[1] != digests[2]
+
+
+@pytest.mark.parametrize("router", [{"kind": "topk", "noise": True}, {"kind": "expert_choice"},
+                                    {"kind": "image"}, {"kind": "soft"}])
+def test_eval_routing_is_deterministic(router):
+    experts = {"top_k": 1} if router["kind"] == "image" else {}
+    model = moespec.create_model(make_spec(TINY_VIT, [{"where": {"every": 1}, "experts": 4, **experts, "router": router}]))
+    x = torch.randn(2, *TINY_INPUT)
+    with torch.no_grad():
+        assert torch.equal(model.eval()(x), model(x))
+
+
+AUX = [{"kind": "importance_load", "weight": 0.01}, {"kind": "switch", "weight": 0.01}, {"kind": "z_loss", "weight": 0.001}]
+ROUTERS = {  # group settings per router kind; every aux loss where the router has one
+    "topk": {"top_k": 2, "router": {"kind": "topk"}, "aux_loss": AUX},
+    "topk_noise": {"top_k": 2, "router": {"kind": "topk", "noise": True}, "aux_loss": AUX},
+    "topk_capacity_bpr": {"top_k": 2, "capacity_factor": 1.0, "router": {"kind": "topk", "bpr": True}, "aux_loss": AUX},
+    "topk_drop": {"top_k": 2, "router": {"kind": "topk", "drop_fraction": 0.5}, "aux_loss": AUX},
+    "cosine": {"top_k": 2, "router": {"kind": "topk", "gate": {"kind": "cosine"}}, "aux_loss": AUX},
+    "l2": {"top_k": 2, "router": {"kind": "topk", "gate": {"kind": "l2"}}, "aux_loss": AUX},
+    "expert_choice": {"router": {"kind": "expert_choice"}, "aux_loss": AUX},
+    "image": {"top_k": 1, "router": {"kind": "image"}, "aux_loss": AUX},
+    "soft": {"router": {"kind": "soft"}},
+}
+
+
+@pytest.mark.parametrize("kind", list(ROUTERS))
+def test_aux_losses_stay_finite_when_every_token_picks_one_expert(kind):
+    group = {"where": {"every": 1}, "experts": 4, **ROUTERS[kind]}
+    model = moespec.create_model(make_spec(TINY_VIT, [group])).train()
+    for layer in model.modules():  # every token's logits favour expert 0 by far
+        if isinstance(layer, MOE_LAYERS) and not hasattr(layer, "phi"):
+            gate = layer.router.gate
+            original = gate.forward
+            gate.forward = lambda x, original=original: original(x) + torch.tensor([30.0, 0, 0, 0])
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    for _ in range(2):
+        loss = model(torch.randn(2, *TINY_INPUT)).logsumexp(-1).mean() + moespec.aux_loss(model)
+        optimizer.zero_grad()
+        loss.backward()
+        assert torch.isfinite(loss)
+        assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+        optimizer.step()
+    for layer in model.modules():
+        if isinstance(layer, MOE_LAYERS):
+            assert all(torch.isfinite(v) for v in layer.aux_losses.values())
