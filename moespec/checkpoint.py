@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Callable, Iterator, Mapping, Sequence
 
 import torch
-from safetensors import SafetensorError, safe_open
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch import nn
 
@@ -72,6 +72,51 @@ def read_state_dict(path: str | Path, *, trust_pickle: bool = False) -> dict[str
     if state and all(k.startswith("module.") for k in state):  # saved from DistributedDataParallel
         state = {k.removeprefix("module."): v for k, v in state.items()}
     return state
+
+
+def read_safetensors_header(path: str | Path) -> tuple[dict, int]:
+    """The JSON header of a safetensors file (name -> dtype, shape, data_offsets; "__metadata__") and the byte
+    offset where the data starts. Every tensor's bytes are checked to lie inside the file."""
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            size = struct.unpack("<Q", f.read(8))[0]
+            if size > path.stat().st_size:
+                raise ValueError("header length beyond the end of the file")
+            header = json.loads(f.read(size))
+        start, end = 8 + size, path.stat().st_size
+        for name, entry in header.items():
+            if name != "__metadata__" and start + entry["data_offsets"][1] > end:
+                raise ValueError(f"{name} ends beyond the end of the file")
+    except (OSError, struct.error, ValueError, KeyError, TypeError, IndexError) as err:
+        raise CheckpointError(f"{path}: not a readable safetensors file ({type(err).__name__}: {err}); "
+                              f"is it truncated?") from None
+    return header, start
+
+
+def read_safetensors_into(path: str | Path, targets: Mapping[str, torch.Tensor]) -> None:
+    """Read each tensor of a safetensors file straight into `targets[name]`'s storage (cast if the dtypes
+    differ), with plain reads rather than a memory map: memory holds the targets plus at most one tensor."""
+    header, start = read_safetensors_header(path)
+    dtypes = {v: k for k, v in SAFETENSORS_DTYPES.items()}
+    with open(path, "rb") as f, torch.no_grad():
+        for name, entry in header.items():
+            if name == "__metadata__" or name not in targets:
+                continue
+            target, (begin, end) = targets[name], entry["data_offsets"]
+            same = target.dtype == dtypes[entry["dtype"]] and target.is_contiguous() and target.device.type == "cpu"
+            buffer = target if same else torch.empty(entry["shape"], dtype=dtypes[entry["dtype"]])
+            f.seek(start + begin)
+            if f.readinto(memoryview(buffer.reshape(-1).view(torch.uint8).numpy())) != end - begin:
+                raise CheckpointError(f"{path}: {name} is cut short; is the file truncated?")
+            if not same:
+                target.copy_(buffer)
+
+
+def safetensors_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
+    """Tensor name -> shape, from the header alone."""
+    header, _ = read_safetensors_header(path)
+    return {name: tuple(entry["shape"]) for name, entry in header.items() if name != "__metadata__"}
 
 
 def check_state_dict(state: Mapping[str, torch.Tensor | tuple[int, ...]], reference: nn.Module, what: str) -> None:
@@ -277,11 +322,8 @@ def checkpoint_files(path: str | Path) -> tuple[dict[str, str], list[Path]]:
         return _read_index(index)
     if not path.is_file():
         raise CheckpointError(f"{path}: no such checkpoint file")
-    try:
-        with safe_open(str(path), "pt") as f:
-            return f.metadata() or {}, [path]
-    except (SafetensorError, OSError) as err:
-        raise CheckpointError(f"{path}: not a readable safetensors file ({err}); is it truncated?") from None
+    header, _ = read_safetensors_header(path)
+    return header.get("__metadata__") or {}, [path]
 
 
 def _read_index(index: Path) -> tuple[dict[str, str], list[Path]]:
@@ -313,24 +355,17 @@ def read_spec(path: str | Path):
 
 def load(path: str | Path, *, device: str | torch.device = "cpu") -> nn.Module:
     """Rebuild the MoE model from the spec inside a moespec checkpoint (one file or shards) and load its
-    weights tensor by tensor (cast to the model's dtype), so memory holds the model plus one tensor."""
+    weights straight into it (cast to the model's dtype), so memory holds the model plus one tensor."""
     from .compile import create_model
 
     spec = read_spec(path)
     _, files = checkpoint_files(path)
     model = create_model(spec, device=device)
-    try:
-        with contextlib.ExitStack() as stack:
-            readers = [stack.enter_context(safe_open(str(file), "pt", device=str(device))) for file in files]
-            shapes = {name: tuple(r.get_slice(name).get_shape()) for r in readers for name in r.keys()}
-            check_state_dict(shapes, model, f"{path}")
-            targets = model.state_dict()
-            with torch.no_grad():
-                for reader in readers:
-                    for name in reader.keys():
-                        targets[name].copy_(reader.get_tensor(name))
-    except (SafetensorError, OSError) as err:
-        raise CheckpointError(f"{path}: cannot read the weights ({err}); is it truncated?") from None
+    shapes = {name: shape for file in files for name, shape in safetensors_shapes(file).items()}
+    check_state_dict(shapes, model, f"{path}")
+    targets = model.state_dict()
+    for file in files:
+        read_safetensors_into(file, targets)
     return model
 
 

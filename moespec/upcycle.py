@@ -25,7 +25,7 @@ from .adapters import adapter_named
 from .backbone import create_backbone
 from .build import materialize
 from .checkpoint import (DEFAULT_MAX_SHARD_SIZE, CheckpointError, TensorInfo, check_state_dict, load, output_dtype,
-                         read_state_dict, spec_metadata, write_sharded)
+                         read_safetensors_into, read_state_dict, safetensors_shapes, spec_metadata, write_sharded)
 from .compile import compile_model, create_model, moe_layers
 from .errors import MoespecError
 from .layers import SoftMoE
@@ -104,10 +104,14 @@ def dense_model(spec: Spec, checkpoint: str | Path | None = None, *,
         checkpoint = spec.resolve_path(spec.backbone.checkpoint)
     if checkpoint is not None:
         dense = create_backbone(spec)
-        state = read_state_dict(checkpoint, trust_pickle=trust_pickle)
-        check_state_dict(state, dense, f"checkpoint {checkpoint}")
-        refuse_non_finite(state, str(checkpoint))
-        dense.load_state_dict(state)
+        if Path(checkpoint).suffix == ".safetensors" and Path(checkpoint).is_file():  # read in place: no second copy
+            check_state_dict(safetensors_shapes(checkpoint), dense, f"checkpoint {checkpoint}")
+            read_safetensors_into(checkpoint, dense.state_dict())
+        else:
+            state = read_state_dict(checkpoint, trust_pickle=trust_pickle)
+            check_state_dict(state, dense, f"checkpoint {checkpoint}")
+            dense.load_state_dict(state)
+        refuse_non_finite(dense.state_dict(), str(checkpoint))
         return dense, str(checkpoint)
     if spec.backbone.pretrained:
         return create_backbone(spec, pretrained=True), f"timm pretrained {spec.backbone.model}"
