@@ -243,7 +243,7 @@ def write_safetensors(file: Path, infos: Sequence[TensorInfo], tensor: Callable[
             t = tensor(info)
             if tuple(t.shape) != info.shape or t.dtype != info.dtype:
                 raise RuntimeError(f"{info.name}: got {tuple(t.shape)} {t.dtype}, laid out as {info.shape} {info.dtype}")
-            f.write(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+            f.write(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())  # no copy of the bytes
 
 
 def write_sharded(path: str | Path, infos: Sequence[TensorInfo], tensor: Callable[[TensorInfo], torch.Tensor],

@@ -188,13 +188,13 @@ def _upcycle_layer(moe: nn.Module, layer: LayerPlan, ffn_state: dict[str, torch.
 
 
 def _fill(bank: nn.Module, experts: list[dict[str, torch.Tensor]], noise: float, generator: torch.Generator) -> None:
-    """Stack per-expert tensors into the bank's [E, ...] parameters, adding N(0, noise^2) to the weights."""
-    params = dict(bank.named_parameters())
-    for name, param in params.items():
-        stacked = torch.stack([expert[name].reshape(param.shape[1:]) for expert in experts])
-        if noise > 0 and name.endswith("weight") and name.startswith("fc"):
-            stacked = stacked + noise * torch.randn(stacked.shape, generator=generator)
-        param.copy_(stacked)
+    """Copy per-expert tensors into the bank's [E, ...] parameters, adding N(0, noise^2) to the fc weights,
+    one expert at a time (no stacked temporary: a layer of a giant spec is large)."""
+    for name, param in bank.named_parameters():
+        for i, expert in enumerate(experts):
+            param[i].copy_(expert[name].reshape(param.shape[1:]))
+            if noise > 0 and name.endswith("weight") and name.startswith("fc"):
+                param[i].add_(torch.randn(param.shape[1:], generator=generator), alpha=noise)
 
 
 @torch.no_grad()
