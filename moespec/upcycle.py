@@ -176,9 +176,10 @@ def _upcycle_layer(moe: nn.Module, layer: LayerPlan, ffn_state: dict[str, torch.
     adapter = adapter_named(layer.family)
     leading = torch.arange(hidden)
     units = [leading + (i * hidden if options.split == "partition" else 0) for i in range(layer.experts)]
-    _fill(moe.experts, [adapter.expert_state(ffn_state, u) for u in units], options.noise, generator)
+    _fill(moe.experts, [lambda u=u: adapter.expert_state(ffn_state, u) for u in units], options.noise, generator)
     if moe.shared is not None:
-        _fill(moe.shared, [adapter.expert_state(ffn_state, leading)] * layer.shared_experts, options.noise, generator)
+        shared = [lambda: adapter.expert_state(ffn_state, leading)] * layer.shared_experts
+        _fill(moe.shared, shared, options.noise, generator)
     router = [moe.phi] if isinstance(moe, SoftMoE) else list(moe.router.parameters())
     for weight in router:
         if options.router_init == "zeros":
@@ -187,12 +188,15 @@ def _upcycle_layer(moe: nn.Module, layer: LayerPlan, ffn_state: dict[str, torch.
             weight.copy_(torch.randn(weight.shape, generator=generator) * 0.02)
 
 
-def _fill(bank: nn.Module, experts: list[dict[str, torch.Tensor]], noise: float, generator: torch.Generator) -> None:
-    """Copy per-expert tensors into the bank's [E, ...] parameters, adding N(0, noise^2) to the fc weights,
-    one expert at a time (no stacked temporary: a layer of a giant spec is large)."""
-    for name, param in bank.named_parameters():
-        for i, expert in enumerate(experts):
-            param[i].copy_(expert[name].reshape(param.shape[1:]))
+def _fill(bank: nn.Module, experts: list[Callable[[], dict[str, torch.Tensor]]], noise: float,
+          generator: torch.Generator) -> None:
+    """Copy each expert's tensors (made by `experts[i]()`, one expert at a time: a layer of a giant spec is
+    large) into the bank's [E, ...] parameters, adding N(0, noise^2) to the fc weights."""
+    params = dict(bank.named_parameters())
+    for i, make in enumerate(experts):
+        for name, tensor in make().items():
+            param = params[name]
+            param[i].copy_(tensor.reshape(param.shape[1:]))
             if noise > 0 and name.endswith("weight") and name.startswith("fc"):
                 param[i].add_(torch.randn(param.shape[1:], generator=generator), alpha=noise)
 
