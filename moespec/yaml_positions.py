@@ -18,14 +18,26 @@ class Positions:
 
     def __init__(self) -> None:
         self._marks: dict[tuple[str, ...], tuple[int, int]] = {}
+        self._mappings: set[tuple[str, ...]] = set()
 
     def add(self, path: tuple[str, ...], mark: yaml.Mark) -> None:
         """Record the first position seen for `path` (a key's position wins over its value's)."""
         self._marks.setdefault(path, (mark.line + 1, mark.column + 1))
 
+    def add_mapping(self, path: tuple[str, ...]) -> None:
+        """Record that the node at `path` is a mapping."""
+        self._mappings.add(path)
+
     def find(self, path: list[Any]) -> tuple[int | None, int | None]:
-        """The position of `path`, or of its closest ancestor that has one."""
-        key = tuple(str(p) for p in path)
+        """The position of `path`, or of its closest ancestor that has one.
+
+        A spec may give one mapping where a list is expected (`rescale: {where: ...}` for `rescale: [...]`),
+        so its field `rescale.0.tokens` is written as `rescale.tokens`.
+        """
+        key: tuple[str, ...] = ()
+        for part in (str(p) for p in path):
+            if not (part == "0" and key in self._mappings and key + ("0",) not in self._marks):
+                key += (part,)
         while key not in self._marks and key:
             key = key[:-1]
         return self._marks.get(key, (None, None))
@@ -56,6 +68,7 @@ def load_yaml(text: str, file: str) -> tuple[Any, Positions]:
 def _record(node: yaml.Node, path: tuple[str, ...], positions: Positions, loader: yaml.SafeLoader, file: str) -> None:
     positions.add(path, node.start_mark)
     if isinstance(node, yaml.MappingNode):
+        positions.add_mapping(path)
         seen: dict[str, yaml.Mark] = {}
         for key_node, value_node in node.value:
             key = str(loader.construct_object(key_node)) if isinstance(key_node, yaml.ScalarNode) else key_node.value
