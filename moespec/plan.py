@@ -9,12 +9,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from .adapters import FFNShape, find_adapter
 from .blocks import BLOCK_REBUILDERS, find_rebuilder
 from .backbone import BlockLayout, create_backbone, find_blocks
-from .errors import Problem, SpecError
+from .checkpoint import DENSE_SUFFIXES
+from .errors import Problem, SpecError, did_you_mean
 from .selectors import SelectorError, resolve_where
 from .spec import AuxLoss, MoEGroup, Router, Spec, located, spec_problem
 
@@ -116,8 +118,20 @@ class Plan:
 
 
 def plan(spec: Spec) -> Plan:
-    """The Plan of `spec`, checked against its timm backbone built on the meta device. Pure: no weights."""
-    return plan_for(spec, create_backbone(spec, device="meta"))
+    """The Plan of `spec`, checked against its timm backbone built on the meta device. Pure: no weights.
+
+    Also checks what only this full check of a spec needs: that the backbone takes the input size (one
+    forward on the meta device) and that `backbone.checkpoint` names a dense checkpoint file.
+    """
+    model = create_backbone(spec, device="meta")
+    problems = [p for p in (_input_size_problem(spec, model), checkpoint_problem(spec)) if p is not None]
+    try:
+        result = plan_for(spec, model)
+    except SpecError as error:
+        raise SpecError(error.problems + problems) from None
+    if problems:
+        raise SpecError(problems)
+    return result
 
 
 def plan_for(spec: Spec, model: nn.Module) -> Plan:
@@ -139,7 +153,8 @@ def plan_for(spec: Spec, model: nn.Module) -> Plan:
             if group.sublayer not in block.sublayers:
                 problems.append(spec_problem(
                     spec, f"moe.{index}.sublayer",
-                    f"block {block.path} has no FFN sublayer {group.sublayer!r}; it has: {', '.join(block.sublayers)}"))
+                    f"block {block.path} has no FFN sublayer {group.sublayer!r}; it has: {', '.join(block.sublayers)}"
+                    + did_you_mean(group.sublayer, block.sublayers)))
                 break
             path = f"{block.path}.{group.sublayer}"
             if path in claimed:
@@ -175,6 +190,39 @@ def plan_for(spec: Spec, model: nn.Module) -> Plan:
             token_hidden=hidden.get(token_ffn, find_adapter(modules[token_ffn]).shape(modules[token_ffn]).hidden),
             channel_hidden=hidden.get(channel_ffn, find_adapter(modules[channel_ffn]).shape(modules[channel_ffn]).hidden)))
     return Plan(spec, layout, ordered, _input_size(spec, model), tuple(rescales))
+
+
+def checkpoint_problem(spec: Spec) -> Problem | None:
+    """A Problem at `backbone.checkpoint` when it is not a dense checkpoint file moespec can read, else None."""
+    if spec.backbone.checkpoint is None:
+        return None
+    path = spec.resolve_path(spec.backbone.checkpoint)
+    if path.suffix not in DENSE_SUFFIXES:
+        return spec_problem(spec, "backbone.checkpoint", f"unknown checkpoint type {path.suffix!r} of {str(path)!r}; "
+                                                         f"expected one of {', '.join(DENSE_SUFFIXES)}")
+    if not path.is_file():
+        return spec_problem(spec, "backbone.checkpoint", f"no such checkpoint file {str(path)!r}; a relative path is "
+                                                         f"relative to the spec file's folder")
+    return None
+
+
+def input_size_problem(spec: Spec, input_size: tuple[int, int, int], error: Exception) -> Problem:
+    """A Problem at `input_size` for the error the backbone raised on an input of that size."""
+    reason = str(error).strip().splitlines()[0].rstrip(".") if str(error).strip() else type(error).__name__
+    return spec_problem(spec, "input_size", f"the model cannot take input size {list(input_size)}: {reason}; models "
+                                            f"with a fixed input size take it as img_size (and in_chans) in "
+                                            f"backbone.kwargs")
+
+
+def _input_size_problem(spec: Spec, model: nn.Module) -> Problem | None:
+    """Run `model` (on the meta device: shapes only) on the spec's input size; a Problem if it refuses it."""
+    input_size = _input_size(spec, model)
+    try:
+        with torch.no_grad():
+            model(torch.empty(1, *input_size, device="meta"))
+    except (AssertionError, RuntimeError, ValueError) as error:  # e.g. ViT's patch embed on a wrong size
+        return input_size_problem(spec, input_size, error)
+    return None
 
 
 def _picked(spec: Spec, field: str, where: list, layout: BlockLayout, problems: list[Problem]) -> list[int]:
