@@ -51,14 +51,19 @@ def _create(backbone: Backbone, device: str | torch.device, pretrained: bool) ->
         except TypeError as err:
             fixed = re.search(r"got multiple values for keyword argument '(\w+)'", str(err))
             if fixed is None or fixed.group(1) not in kwargs:
-                raise SpecError(Problem(f"timm rejected the kwargs for {backbone.model!r}: {err}"
+                raise SpecError(Problem(f"timm rejected the kwargs for {backbone.model!r}: {_one_line(err)}"
                                         + _argument_hint(backbone.model, str(err)), path="backbone.kwargs")) from None
             overrides[fixed.group(1)] = kwargs.pop(fixed.group(1))
         except Exception as err:  # timm's own checks of the values, e.g. "dim should be divisible by num_heads"
             if not backbone.kwargs:
                 raise
             raise SpecError(Problem(f"timm could not build {backbone.model!r} with these kwargs: "
-                                    f"{type(err).__name__}: {err}", path="backbone.kwargs")) from None
+                                    f"{type(err).__name__}: {_one_line(err)}", path="backbone.kwargs")) from None
+
+
+def _one_line(error: Exception) -> str:
+    """An exception's message on one line (a kwarg's name may hold a newline; the CLI prints a line per problem)."""
+    return " ".join(str(error).split())
 
 
 def _argument_hint(name: str, error: str) -> str:

@@ -206,6 +206,11 @@ def checkpoint_problem(spec: Spec) -> Problem | None:
     return None
 
 
+INPUT_SIZE_ERRORS = (AssertionError, RuntimeError, ValueError, TypeError, OverflowError)
+"""What a backbone raises on an input size it cannot take: ViT's patch embed asserts, a conv kernel larger
+than the image is a RuntimeError, a size beyond int64 a TypeError."""
+
+
 def input_size_problem(spec: Spec, input_size: tuple[int, int, int], error: Exception) -> Problem:
     """A Problem at `input_size` for the error the backbone raised on an input of that size."""
     reason = str(error).strip().splitlines()[0].rstrip(".") if str(error).strip() else type(error).__name__
@@ -216,11 +221,14 @@ def input_size_problem(spec: Spec, input_size: tuple[int, int, int], error: Exce
 
 def _input_size_problem(spec: Spec, model: nn.Module) -> Problem | None:
     """Run `model` (on the meta device: shapes only) on the spec's input size; a Problem if it refuses it."""
-    input_size = _input_size(spec, model)
+    try:
+        input_size = _input_size(spec, model)
+    except SpecError as error:
+        return error.problems[0]
     try:
         with torch.no_grad():
             model(torch.empty(1, *input_size, device="meta"))
-    except (AssertionError, RuntimeError, ValueError) as error:  # e.g. ViT's patch embed on a wrong size
+    except INPUT_SIZE_ERRORS as error:
         return input_size_problem(spec, input_size, error)
     return None
 
@@ -315,8 +323,13 @@ def _input_size(spec: Spec, model: nn.Module) -> tuple[int, int, int]:
     cfg = getattr(model, "pretrained_cfg", None) or {}
     channels, height, width = cfg.get("input_size", (3, 224, 224))
     kwargs = spec.backbone.kwargs
-    channels = kwargs.get("in_chans", channels)
-    if "img_size" in kwargs:
-        size = kwargs["img_size"]
-        height, width = (size, size) if isinstance(size, int) else tuple(size)
+    if kwargs.get("in_chans") is not None:  # timm ignores kwargs that are None
+        channels = kwargs["in_chans"]
+    size = kwargs.get("img_size")
+    if size is not None:
+        height, width = size if isinstance(size, (list, tuple)) and len(size) == 2 else (size, size)
+    if not all(isinstance(n, int) and n > 0 for n in (channels, height, width)):
+        raise located(spec, SpecError(Problem(
+            f"cannot tell the input size from img_size {size!r} / in_chans {kwargs.get('in_chans')!r}; give "
+            f"img_size as an integer or [height, width], or set input_size", path="backbone.kwargs")))
     return (int(channels), int(height), int(width))

@@ -24,15 +24,16 @@ import yaml
 from pydantic import (BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, PrivateAttr, Tag, ValidationError,
                       ValidationInfo, field_validator, model_validator)
 
-from .errors import Problem, SpecError, did_you_mean
+from .errors import Problem, SpecError, did_you_mean, field_path
 from .selectors import SELECTORS, Where
 from .yaml_positions import Positions, load_yaml
 
-# Counts are strict: `experts: true` or `experts: 2.5` is an error, not 1 or 2.
+# Counts are strict: `experts: true` or `experts: 2.5` is an error, not 1 or 2. Factors are finite: `.inf`
+# and `.nan` are YAML floats, but no width, capacity or weight.
 PositiveInt = Annotated[int, Field(gt=0, strict=True)]
 NonNegativeInt = Annotated[int, Field(ge=0, strict=True)]
-PositiveFloat = Annotated[float, Field(gt=0)]
-NonNegativeFloat = Annotated[float, Field(ge=0)]
+PositiveFloat = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+NonNegativeFloat = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 
 
 class SpecModel(BaseModel):
@@ -388,7 +389,7 @@ def _problem(error: dict, data: Any, positions: Positions, file: str | None) -> 
         path.append(part)
     message = _message(error, path, data)
     line, column = positions.find(path)
-    return Problem(message, path=".".join(str(p) for p in path), file=file, line=line, column=column)
+    return Problem(message, path=field_path(path), file=file, line=line, column=column)
 
 
 def _message(error: dict, path: list[Any], data: Any) -> str:
@@ -405,8 +406,9 @@ def _message(error: dict, path: list[Any], data: Any) -> str:
         return f"expected a mapping (key: value), got {_yaml_kind(error.get('input'))}"
     if kind == "union_tag_not_found":  # a router that is not a mapping
         value = error.get("input")
-        return (f"expected a mapping (key: value), got {_yaml_kind(value)}"
-                + (f"; did you mean {{kind: {value}}}?" if isinstance(value, str) else ""))
+        known = isinstance(value, str) and value in ROUTER_SPECS
+        return (f"expected a mapping (key: value), got {_yaml_kind(value)}; "
+                + (f"did you mean {{kind: {value}}}?" if known else f"e.g. {{kind: topk}}; kinds: {', '.join(ROUTER_SPECS)}"))
     if kind == "selector" and isinstance(error.get("input"), dict) and len(error["input"]) == 1:
         return msg + did_you_mean(next(iter(error["input"])), SELECTORS)
     if kind == "union_tag_invalid":

@@ -23,7 +23,7 @@ from .backbone import create_backbone
 from .compile import compile_model, moe_layers
 from .errors import SpecError
 from .flops import count_macs
-from .plan import input_size_problem, plan_for
+from .plan import INPUT_SIZE_ERRORS, input_size_problem, plan_for
 from .spec import Spec
 
 
@@ -123,5 +123,5 @@ def _layer_stats(path: str, moe: nn.Module, layer, macs) -> LayerStats:
 def _macs(spec: Spec, model: nn.Module, input_size: tuple[int, int, int]):
     try:
         return count_macs(model, input_size)
-    except (AssertionError, RuntimeError, ValueError) as error:  # e.g. ViT's patch embed on a wrong size
+    except INPUT_SIZE_ERRORS as error:
         raise SpecError(input_size_problem(spec, input_size, error)) from None

@@ -10,7 +10,7 @@ from typing import Any
 
 import yaml
 
-from .errors import Problem, SpecError
+from .errors import Problem, SpecError, field_path
 
 
 class Positions:
@@ -45,7 +45,10 @@ class Positions:
 
 def load_yaml(text: str, file: str) -> tuple[Any, Positions]:
     """Parse one YAML document; YAML errors, tabs and duplicate keys become a `SpecError` with a position."""
-    loader = yaml.SafeLoader(text)
+    try:
+        loader = yaml.SafeLoader(text)
+    except yaml.reader.ReaderError as err:  # the reader checks every character up front
+        raise SpecError(_character_problem(err, text, file)) from None
     try:
         node = loader.get_single_node()
         data = loader.construct_document(node) if node is not None else None
@@ -56,13 +59,20 @@ def load_yaml(text: str, file: str) -> tuple[Any, Positions]:
             message += "; indent with spaces, YAML does not allow tabs"
         raise SpecError(Problem(message, file=file, line=mark.line + 1 if mark else None, column=mark.column + 1 if mark else None)) from None
     except yaml.YAMLError as err:
-        raise SpecError(Problem(f"invalid YAML: {err}", file=file)) from None
+        raise SpecError(Problem(f"invalid YAML: {' '.join(str(err).split())}", file=file)) from None
     finally:
         loader.dispose()
     positions = Positions()
     if node is not None:
         _record(node, (), positions, loader, file)
     return data, positions
+
+
+def _character_problem(err: yaml.reader.ReaderError, text: str, file: str) -> Problem:
+    """A character YAML does not allow (a control character, a lone surrogate), at its line and column."""
+    line_start = text.rfind("\n", 0, err.position) + 1
+    return Problem(f"invalid YAML: character #x{err.character:04x} is not allowed; remove it", file=file,
+                   line=text.count("\n", 0, err.position) + 1, column=err.position - line_start + 1)
 
 
 def _record(node: yaml.Node, path: tuple[str, ...], positions: Positions, loader: yaml.SafeLoader, file: str) -> None:
@@ -77,7 +87,7 @@ def _record(node: yaml.Node, path: tuple[str, ...], positions: Positions, loader
                 raise SpecError(
                     Problem(
                         f"duplicate key {key!r} (first given at line {first.line + 1}); give each key once",
-                        path=".".join(path + (key,)),
+                        path=field_path(path + (key,)),
                         file=file,
                         line=key_node.start_mark.line + 1,
                         column=key_node.start_mark.column + 1,
