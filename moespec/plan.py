@@ -257,7 +257,8 @@ def _rescales(spec: Spec, layout: BlockLayout, modules: dict[str, nn.Module], pr
                 break
             if path in rescaled:
                 problems.append(spec_problem(spec, f"rescale.{index}.where",
-                                             f"{path} is already rescaled by rescale.{rescaled[path][4]}"))
+                                             f"{path} is already rescaled by rescale.{rescaled[path][4]}; each block "
+                                             f"can be rescaled once"))
                 continue
             tokens, channels = rebuilder.shape(modules[path])
             sizes = {"tokens": (rescale.tokens * tokens, tokens), "channels": (rescale.channels * channels, channels)}
@@ -266,7 +267,8 @@ def _rescales(spec: Spec, layout: BlockLayout, modules: dict[str, nn.Module], pr
                 if abs(exact - round(exact)) > 1e-6 or round(exact) < 1:
                     problems.append(spec_problem(
                         spec, f"rescale.{index}.{field}",
-                        f"{getattr(rescale, field)} x {base} {field} of {path} = {exact:g} is not a whole number"))
+                        f"{getattr(rescale, field)} x {base} {field} of {path} = {exact:g} is not a whole number; "
+                        f"use a multiple of 1/{base}"))
                     bad = True
             if bad:
                 break
