@@ -39,9 +39,9 @@ def _create(backbone: Backbone, device: str | torch.device, pretrained: bool) ->
 
     if not timm.is_model(backbone.model):
         matches = timm.list_models(f"*{backbone.model.split('_')[0]}*")[:8] if backbone.model else []
-        near = did_you_mean(backbone.model, timm.list_models())
-        known = (f"; timm models like it: {', '.join(matches)}" if matches else "; timm.list_models() lists them") if not near else ""
-        raise SpecError(Problem(f"unknown timm model {backbone.model!r}{near}{known}", path="backbone.model"))
+        hint = did_you_mean(backbone.model, timm.list_models()) or (
+            f"; timm models like it: {', '.join(matches)}" if matches else "; timm.list_models() lists them")
+        raise SpecError(Problem(f"unknown timm model {backbone.model!r}{hint}", path="backbone.model"))
     context = torch.device(device) if str(device) == "meta" else contextlib.nullcontext()
     kwargs, overrides = dict(backbone.kwargs), {}
     while True:

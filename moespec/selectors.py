@@ -97,7 +97,8 @@ class First(Selector):
     def resolve(self, layout: "BlockLayout") -> list[int]:
         count = len(layout.blocks)
         if self.first > count:
-            raise SelectorError(f"first: {self.first} asks for more blocks than the model has ({count}); use 1..{count}")
+            raise SelectorError(f"first: {self.first} asks for more blocks than the model has ({count}); "
+                                f"use 1..{count}")
         return list(range(self.first))
 
 

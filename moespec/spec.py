@@ -406,9 +406,9 @@ def _message(error: dict, path: list[Any], data: Any) -> str:
         return f"expected a mapping (key: value), got {_yaml_kind(error.get('input'))}"
     if kind == "union_tag_not_found":  # a router that is not a mapping
         value = error.get("input")
-        known = isinstance(value, str) and value in ROUTER_SPECS
-        return (f"expected a mapping (key: value), got {_yaml_kind(value)}; "
-                + (f"did you mean {{kind: {value}}}?" if known else f"e.g. {{kind: topk}}; kinds: {', '.join(ROUTER_SPECS)}"))
+        hint = (f"did you mean {{kind: {value}}}?" if isinstance(value, str) and value in ROUTER_SPECS
+                else f"e.g. {{kind: topk}}; kinds: {', '.join(ROUTER_SPECS)}")
+        return f"expected a mapping (key: value), got {_yaml_kind(value)}; {hint}"
     if kind == "selector" and isinstance(error.get("input"), dict) and len(error["input"]) == 1:
         return msg + did_you_mean(next(iter(error["input"])), SELECTORS)
     if kind == "union_tag_invalid":

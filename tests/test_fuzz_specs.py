@@ -28,8 +28,8 @@ from moespec.spec import ROUTER_SPECS
 
 from .conftest import SPECS_DIR
 
-SHIPPED = {path.name: path.read_text(encoding="utf-8") for path in sorted(SPECS_DIR.glob("*.yaml"))}
-DOCUMENTS = [yaml.safe_load(text) for text in SHIPPED.values()]
+SHIPPED = [path.read_text(encoding="utf-8") for path in sorted(SPECS_DIR.glob("*.yaml"))]
+DOCUMENTS = [yaml.safe_load(text) for text in SHIPPED]
 PLANNED_NUMBER_LIMIT = 32  # larger numbers in backbone.kwargs (depth: 10**6) make timm build for minutes
 
 
@@ -52,9 +52,10 @@ scalars = st.one_of(
 # Pieces of valid specs, so that mutated documents still load often enough to reach `plan`.
 FRAGMENTS = st.sampled_from([
     {"every": 3}, {"last": 100}, {"first": 1}, {"blocks": [0, -1]}, {"blocks": [-100]}, {"stage_last": "all"},
-    {"stage_last": 2}, {"stages": {2: [0, -1]}}, {"stages": {9: [0]}}, {"stages": {0: [7]}}, [{"last": 1}, {"first": 1}],
-    {"kind": "soft", "slots_per_expert": 2}, {"kind": "expert_choice", "capacity": 2.0}, {"kind": "image", "pool": "cls"},
-    {"kind": "topk", "gate": {"kind": "cosine", "dim": 8}}, {"where": {"last": 1}, "tokens": 2.0, "channels": 0.5},
+    {"stage_last": 2}, {"stages": {2: [0, -1]}}, {"stages": {9: [0]}}, {"stages": {0: [7]}},
+    [{"last": 1}, {"first": 1}], {"kind": "soft", "slots_per_expert": 2}, {"kind": "expert_choice", "capacity": 2.0},
+    {"kind": "image", "pool": "cls"}, {"kind": "topk", "gate": {"kind": "cosine", "dim": 8}},
+    {"where": {"last": 1}, "tokens": 2.0, "channels": 0.5},
     {"where": {"last": 2}, "experts": 0}, {"where": {"every": 1}, "sublayer": "mlp_tokens", "experts": 2},
     "mlp", "mlp_tokens", "mlp_channels", "norm", "weights.pth", "absent.safetensors",
 ]).map(copy.deepcopy)  # mutations edit documents in place
@@ -137,7 +138,7 @@ def mutate(draw: st.DrawFn, doc: dict) -> Any:
         parent.insert(key, draw(values))
     elif action == "nudge":
         parent[key] = draw(nudged(parent[key]))
-    else:
+    else:  # replace, and a rename in a list
         parent[key] = draw(new_value(parent[key]))
     return doc
 
@@ -155,7 +156,7 @@ def mutated_document(draw: st.DrawFn) -> Any:
 @st.composite
 def mutated_text(draw: st.DrawFn) -> str:
     """A shipped spec file with a few characters inserted, deleted or replaced (YAML syntax, tabs, ...)."""
-    text = draw(st.sampled_from(list(SHIPPED.values())))
+    text = draw(st.sampled_from(SHIPPED))
     for _ in range(draw(st.integers(1, 3))):
         i = draw(st.integers(0, len(text)))
         j = draw(st.integers(i, min(len(text), i + 8)))
