@@ -9,6 +9,7 @@ stages of `stages.s.blocks.b`.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import re
 import sys
 from dataclasses import dataclass
@@ -38,9 +39,9 @@ def _create(backbone: Backbone, device: str | torch.device, pretrained: bool) ->
 
     if not timm.is_model(backbone.model):
         matches = timm.list_models(f"*{backbone.model.split('_')[0]}*")[:8] if backbone.model else []
-        near = did_you_mean(backbone.model, timm.list_models())
-        known = f"; timm models like it: {', '.join(matches)}" if matches and not near else ""
-        raise SpecError(Problem(f"unknown timm model {backbone.model!r}{near}{known}", path="backbone.model"))
+        hint = did_you_mean(backbone.model, timm.list_models()) or (
+            f"; timm models like it: {', '.join(matches)}" if matches else "; timm.list_models() lists them")
+        raise SpecError(Problem(f"unknown timm model {backbone.model!r}{hint}", path="backbone.model"))
     context = torch.device(device) if str(device) == "meta" else contextlib.nullcontext()
     kwargs, overrides = dict(backbone.kwargs), {}
     while True:
@@ -50,9 +51,33 @@ def _create(backbone: Backbone, device: str | torch.device, pretrained: bool) ->
         except TypeError as err:
             fixed = re.search(r"got multiple values for keyword argument '(\w+)'", str(err))
             if fixed is None or fixed.group(1) not in kwargs:
-                raise SpecError(Problem(f"timm rejected the kwargs for {backbone.model!r}: {err}",
-                                        path="backbone.kwargs")) from None
+                raise SpecError(Problem(f"timm rejected the kwargs for {backbone.model!r}: {_one_line(err)}"
+                                        + _argument_hint(backbone.model, str(err)), path="backbone.kwargs")) from None
             overrides[fixed.group(1)] = kwargs.pop(fixed.group(1))
+        except Exception as err:  # timm's own checks of the values, e.g. "dim should be divisible by num_heads"
+            if not backbone.kwargs:
+                raise
+            raise SpecError(Problem(f"timm could not build {backbone.model!r} with these kwargs: "
+                                    f"{type(err).__name__}: {_one_line(err)}", path="backbone.kwargs")) from None
+
+
+def _one_line(error: Exception) -> str:
+    """An exception's message on one line (a kwarg's name may hold a newline; the CLI prints a line per problem)."""
+    return " ".join(str(error).split())
+
+
+def _argument_hint(name: str, error: str) -> str:
+    """For `X.__init__() got an unexpected keyword argument 'a'`: the arguments timm's class X takes."""
+    import timm.models
+
+    found = re.search(r"(\w+)\.__init__\(\) got an unexpected keyword argument '(\w+)'", error)
+    module = sys.modules[timm.models.model_entrypoint(name).__module__]
+    model_class = getattr(module, found.group(1), None) if found else None
+    if not isinstance(model_class, type):
+        return ""
+    parameters = inspect.signature(model_class.__init__).parameters.values()
+    names = [p.name for p in parameters if p.name != "self" and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    return did_you_mean(found.group(2), names) or f"; {found.group(1)} takes: {', '.join(names)}"
 
 
 @contextlib.contextmanager

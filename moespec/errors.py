@@ -8,6 +8,7 @@ anything else is a bug in moespec.
 from __future__ import annotations
 
 import difflib
+import re
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
@@ -51,6 +52,12 @@ class SpecError(MoespecError, ValueError):
 
 class CheckpointError(MoespecError):
     """A checkpoint that cannot be read, or does not fit the model it is loaded into."""
+
+
+def field_path(parts: Iterable[object]) -> str:
+    """A dotted field path, `moe.0.top_k`; a key that is not a plain word is quoted (`moe.0.'a\\nb'`), so a
+    problem stays one line."""
+    return ".".join(str(p) if re.fullmatch(r"[\w-]+", str(p), re.ASCII) else repr(str(p)) for p in parts)
 
 
 def did_you_mean(word: str, choices: Iterable[str]) -> str:

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from .adapters import FFNShape, find_adapter
 from .blocks import BLOCK_REBUILDERS, find_rebuilder
 from .backbone import BlockLayout, create_backbone, find_blocks
-from .errors import Problem, SpecError
+from .checkpoint import DENSE_SUFFIXES
+from .errors import Problem, SpecError, did_you_mean
 from .selectors import SelectorError, resolve_where
 from .spec import AuxLoss, MoEGroup, Router, Spec, located, spec_problem
 
@@ -116,8 +118,20 @@ class Plan:
 
 
 def plan(spec: Spec) -> Plan:
-    """The Plan of `spec`, checked against its timm backbone built on the meta device. Pure: no weights."""
-    return plan_for(spec, create_backbone(spec, device="meta"))
+    """The Plan of `spec`, checked against its timm backbone built on the meta device. Pure: no weights.
+
+    Also checks what only this full check of a spec needs: that the backbone takes the input size (one
+    forward on the meta device) and that `backbone.checkpoint` names a dense checkpoint file.
+    """
+    model = create_backbone(spec, device="meta")
+    problems = [p for p in (_input_size_problem(spec, model), checkpoint_problem(spec)) if p is not None]
+    try:
+        result = plan_for(spec, model)
+    except SpecError as error:
+        raise SpecError(error.problems + problems) from None
+    if problems:
+        raise SpecError(problems)
+    return result
 
 
 def plan_for(spec: Spec, model: nn.Module) -> Plan:
@@ -139,7 +153,8 @@ def plan_for(spec: Spec, model: nn.Module) -> Plan:
             if group.sublayer not in block.sublayers:
                 problems.append(spec_problem(
                     spec, f"moe.{index}.sublayer",
-                    f"block {block.path} has no FFN sublayer {group.sublayer!r}; it has: {', '.join(block.sublayers)}"))
+                    f"block {block.path} has no FFN sublayer {group.sublayer!r}; it has: {', '.join(block.sublayers)}"
+                    + did_you_mean(group.sublayer, block.sublayers)))
                 break
             path = f"{block.path}.{group.sublayer}"
             if path in claimed:
@@ -177,6 +192,47 @@ def plan_for(spec: Spec, model: nn.Module) -> Plan:
     return Plan(spec, layout, ordered, _input_size(spec, model), tuple(rescales))
 
 
+def checkpoint_problem(spec: Spec) -> Problem | None:
+    """A Problem at `backbone.checkpoint` when it is not a dense checkpoint file moespec can read, else None."""
+    if spec.backbone.checkpoint is None:
+        return None
+    path = spec.resolve_path(spec.backbone.checkpoint)
+    if path.suffix not in DENSE_SUFFIXES:
+        return spec_problem(spec, "backbone.checkpoint", f"unknown checkpoint type {path.suffix!r} of {str(path)!r}; "
+                                                         f"expected one of {', '.join(DENSE_SUFFIXES)}")
+    if not path.is_file():
+        return spec_problem(spec, "backbone.checkpoint", f"no such checkpoint file {str(path)!r}; a relative path is "
+                                                         f"relative to the spec file's folder")
+    return None
+
+
+INPUT_SIZE_ERRORS = (AssertionError, RuntimeError, ValueError, TypeError, OverflowError)
+"""What a backbone raises on an input size it cannot take: ViT's patch embed asserts, a conv kernel larger
+than the image is a RuntimeError, a size beyond int64 a TypeError."""
+
+
+def input_size_problem(spec: Spec, input_size: tuple[int, int, int], error: Exception) -> Problem:
+    """A Problem at `input_size` for the error the backbone raised on an input of that size."""
+    reason = str(error).strip().splitlines()[0].rstrip(".") if str(error).strip() else type(error).__name__
+    return spec_problem(spec, "input_size", f"the model cannot take input size {list(input_size)}: {reason}; models "
+                                            f"with a fixed input size take it as img_size (and in_chans) in "
+                                            f"backbone.kwargs")
+
+
+def _input_size_problem(spec: Spec, model: nn.Module) -> Problem | None:
+    """Run `model` (on the meta device: shapes only) on the spec's input size; a Problem if it refuses it."""
+    try:
+        input_size = _input_size(spec, model)
+    except SpecError as error:
+        return error.problems[0]
+    try:
+        with torch.no_grad():
+            model(torch.empty(1, *input_size, device="meta"))
+    except INPUT_SIZE_ERRORS as error:
+        return input_size_problem(spec, input_size, error)
+    return None
+
+
 def _picked(spec: Spec, field: str, where: list, layout: BlockLayout, problems: list[Problem]) -> list[int]:
     """The blocks a `where` selects, or none (with a problem at `field`) when it does not fit the model."""
     try:
@@ -201,7 +257,8 @@ def _rescales(spec: Spec, layout: BlockLayout, modules: dict[str, nn.Module], pr
                 break
             if path in rescaled:
                 problems.append(spec_problem(spec, f"rescale.{index}.where",
-                                             f"{path} is already rescaled by rescale.{rescaled[path][4]}"))
+                                             f"{path} is already rescaled by rescale.{rescaled[path][4]}; each block "
+                                             f"can be rescaled once"))
                 continue
             tokens, channels = rebuilder.shape(modules[path])
             sizes = {"tokens": (rescale.tokens * tokens, tokens), "channels": (rescale.channels * channels, channels)}
@@ -210,7 +267,8 @@ def _rescales(spec: Spec, layout: BlockLayout, modules: dict[str, nn.Module], pr
                 if abs(exact - round(exact)) > 1e-6 or round(exact) < 1:
                     problems.append(spec_problem(
                         spec, f"rescale.{index}.{field}",
-                        f"{getattr(rescale, field)} x {base} {field} of {path} = {exact:g} is not a whole number"))
+                        f"{getattr(rescale, field)} x {base} {field} of {path} = {exact:g} is not a whole number; "
+                        f"use a multiple of 1/{base}"))
                     bad = True
             if bad:
                 break
@@ -267,8 +325,13 @@ def _input_size(spec: Spec, model: nn.Module) -> tuple[int, int, int]:
     cfg = getattr(model, "pretrained_cfg", None) or {}
     channels, height, width = cfg.get("input_size", (3, 224, 224))
     kwargs = spec.backbone.kwargs
-    channels = kwargs.get("in_chans", channels)
-    if "img_size" in kwargs:
-        size = kwargs["img_size"]
-        height, width = (size, size) if isinstance(size, int) else tuple(size)
+    if kwargs.get("in_chans") is not None:  # timm ignores kwargs that are None
+        channels = kwargs["in_chans"]
+    size = kwargs.get("img_size")
+    if size is not None:
+        height, width = size if isinstance(size, (list, tuple)) and len(size) == 2 else (size, size)
+    if not all(isinstance(n, int) and n > 0 for n in (channels, height, width)):
+        raise located(spec, SpecError(Problem(
+            f"cannot tell the input size from img_size {size!r} / in_chans {kwargs.get('in_chans')!r}; give "
+            f"img_size as an integer or [height, width], or set input_size", path="backbone.kwargs")))
     return (int(channels), int(height), int(width))

@@ -84,7 +84,7 @@ class Last(Selector):
     def resolve(self, layout: "BlockLayout") -> list[int]:
         count = len(layout.blocks)
         if self.last > count:
-            raise SelectorError(f"last: {self.last} asks for more blocks than the model has ({count})")
+            raise SelectorError(f"last: {self.last} asks for more blocks than the model has ({count}); use 1..{count}")
         return list(range(count - self.last, count))
 
 
@@ -97,7 +97,8 @@ class First(Selector):
     def resolve(self, layout: "BlockLayout") -> list[int]:
         count = len(layout.blocks)
         if self.first > count:
-            raise SelectorError(f"first: {self.first} asks for more blocks than the model has ({count})")
+            raise SelectorError(f"first: {self.first} asks for more blocks than the model has ({count}); "
+                                f"use 1..{count}")
         return list(range(self.first))
 
 
@@ -122,7 +123,8 @@ class StageLast(Selector):
         count = len(layout.stages)
         n = count if self.stage_last == "all" else self.stage_last
         if n > count:
-            raise SelectorError(f"stage_last: {n} asks for more stages than the model has ({count})")
+            raise SelectorError(f"stage_last: {n} asks for more stages than the model has ({count}); use 1..{count} "
+                                f"or all")
         return [stage[-1] for stage in layout.stages[count - n :]]
 
 

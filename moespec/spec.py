@@ -15,6 +15,8 @@ truth for names, types and defaults.
 
 from __future__ import annotations
 
+import dataclasses
+import re
 from pathlib import Path
 from typing import Annotated, Any, Literal, Optional, Union, get_args, get_origin
 
@@ -22,15 +24,16 @@ import yaml
 from pydantic import (BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, PrivateAttr, Tag, ValidationError,
                       ValidationInfo, field_validator, model_validator)
 
-from .errors import Problem, SpecError, did_you_mean
+from .errors import Problem, SpecError, did_you_mean, field_path
 from .selectors import SELECTORS, Where
 from .yaml_positions import Positions, load_yaml
 
-# Counts are strict: `experts: true` or `experts: 2.5` is an error, not 1 or 2.
+# Counts are strict: `experts: true` or `experts: 2.5` is an error, not 1 or 2. Factors are finite: `.inf`
+# and `.nan` are YAML floats, but no width, capacity or weight.
 PositiveInt = Annotated[int, Field(gt=0, strict=True)]
 NonNegativeInt = Annotated[int, Field(ge=0, strict=True)]
-PositiveFloat = Annotated[float, Field(gt=0)]
-NonNegativeFloat = Annotated[float, Field(ge=0)]
+PositiveFloat = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+NonNegativeFloat = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 
 
 class SpecModel(BaseModel):
@@ -79,7 +82,8 @@ class Gate(SpecModel):
     @model_validator(mode="after")
     def _projection_only_for_cosine_l2(self) -> "Gate":
         if self.kind == "linear" and (self.dim is not None or self.temperature is not None):
-            raise ValueError("dim and temperature apply to cosine and l2 gates only")
+            raise ValueError("dim and temperature apply to cosine and l2 gates only; remove them or use kind: cosine "
+                             "or l2")
         return self
 
 
@@ -199,19 +203,37 @@ class MoEGroup(SpecModel):
             data = {**data, "aux_loss": []}
         return data
 
-    @model_validator(mode="after")
-    def _router_fits_group(self) -> "MoEGroup":
-        kind = self.router.kind
-        if kind in ("expert_choice", "soft") and self.top_k != 1:
-            raise ValueError(f"top_k does not apply to {kind} routers"
-                             + ("; set router.capacity instead" if kind == "expert_choice" else ""))
-        if self.capacity_factor is not None and kind != "topk":
-            raise ValueError(f"capacity_factor applies to topk routers only, not {kind}"
-                             + ("; set router.capacity instead" if kind == "expert_choice" else ""))
-        if kind == "topk" and self.router.bpr and self.capacity_factor is None:
-            raise ValueError("router.bpr (batch prioritized routing) needs a capacity_factor")
-        if kind == "soft" and self.aux_loss:
+    # Cross-field checks sit on the later of the two fields, so that errors name a field, not the group.
+    @field_validator("router")
+    @classmethod
+    def _router_takes_top_k(cls, router: Any, info: ValidationInfo) -> Any:
+        top_k = info.data.get("top_k", 1)
+        if router.kind in ("expert_choice", "soft") and top_k != 1:
+            raise ValueError(f"top_k ({top_k}) does not apply to {router.kind} routers; remove top_k"
+                             + (" and set router.capacity instead" if router.kind == "expert_choice" else ""))
+        return router
+
+    @field_validator("capacity_factor")
+    @classmethod
+    def _capacity_factor_for_topk(cls, factor: float | None, info: ValidationInfo) -> float | None:
+        kind = getattr(info.data.get("router"), "kind", "topk")
+        if factor is not None and kind != "topk":
+            raise ValueError(f"capacity_factor applies to topk routers only, not {kind}; "
+                             + ("set router.capacity instead" if kind == "expert_choice" else "remove it"))
+        return factor
+
+    @field_validator("aux_loss")
+    @classmethod
+    def _no_aux_loss_for_soft(cls, losses: list[AuxLoss], info: ValidationInfo) -> list[AuxLoss]:
+        if losses and getattr(info.data.get("router"), "kind", None) == "soft":
             raise ValueError("Soft MoE has no load-balancing loss; remove aux_loss")
+        return losses
+
+    @model_validator(mode="after")
+    def _bpr_has_capacity(self) -> "MoEGroup":
+        if self.router.kind == "topk" and self.router.bpr and self.capacity_factor is None:
+            raise ValueError("router.bpr (batch prioritized routing) needs a capacity_factor; set one, e.g. 1.25, "
+                             "or remove bpr")
         return self
 
     @field_validator("expert_mlp_ratio")
@@ -245,13 +267,21 @@ class Rescale(SpecModel):
     """C1 / C."""
 
 
+def _channels_height_width(value: Any) -> Any:
+    """`input_size` is written as a list of three; say so instead of pydantic's tuple errors."""
+    if not isinstance(value, (list, tuple)) or len(value) != 3:
+        raise ValueError("expected [channels, height, width], three positive integers, e.g. [3, 224, 224]")
+    return value
+
+
 class Spec(SpecModel):
     """A whole MoE model: a timm backbone and the surgery applied to it."""
 
     name: Optional[Annotated[str, Field(min_length=1)]] = None
     """Defaults to the spec file's stem."""
     backbone: Backbone
-    input_size: Optional[tuple[PositiveInt, PositiveInt, PositiveInt]] = None
+    input_size: Optional[Annotated[tuple[PositiveInt, PositiveInt, PositiveInt],
+                                   BeforeValidator(_channels_height_width)]] = None
     """(channels, height, width); default: the backbone's pretrained_cfg input_size."""
     rescale: Annotated[list[Rescale], BeforeValidator(_as_list)] = []
     """Blocks to rebuild at a rescaled shape (Sparse-MLP); one mapping or a list."""
@@ -291,7 +321,7 @@ def load_spec(source: str | Path | dict, *, text: str | None = None) -> Spec:
         text = path.read_text(encoding="utf-8")
     data, positions = load_yaml(text, file)
     if not isinstance(data, dict):
-        found = "an empty file" if data is None else f"a {type(data).__name__}"
+        found = "an empty file" if data is None else _yaml_kind(data)
         raise SpecError(Problem(f"a spec is a YAML mapping with at least 'backbone', but this is {found}", file=file, line=1, column=1))
     if data.get("name") is None:
         data["name"] = Path(file).stem
@@ -302,9 +332,32 @@ def _validate(data: dict, positions: Positions, file: str | None) -> Spec:
     try:
         spec = Spec.model_validate(data)
     except ValidationError as err:
-        raise SpecError([_problem(e, data, positions, file) for e in err.errors()]) from None
+        raise SpecError(_merge_alternatives([_problem(e, data, positions, file) for e in err.errors()])) from None
     spec._source = file
     return spec
+
+
+def _merge_alternatives(problems: list[Problem]) -> list[Problem]:
+    """One problem per field: a value that fits no member of a union (`noise: -1` is neither a bool nor a float
+    >= 0) gets one message listing what each member wanted."""
+    merged: dict[tuple, list[Problem]] = {}
+    for problem in problems:
+        merged.setdefault((problem.path, problem.file, problem.line, problem.column), []).append(problem)
+    out = []
+    for same in merged.values():
+        messages = list(dict.fromkeys(p.message for p in same))
+        if len(messages) > 1 and all(m.startswith("input should be ") for m in messages):
+            wanted = [re.sub(r", (unable to|got) .*$", "", m.removeprefix("input should be ")) for m in messages]
+            messages = ["input should be " + " or ".join(wanted)]
+        out.append(dataclasses.replace(same[0], message="; or ".join(messages)))
+    return out
+
+
+def _yaml_kind(value: Any) -> str:
+    """What a YAML value is, in YAML's words: `a string`, `a list`, ..."""
+    words = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "a list",
+             dict: "a mapping", type(None): "null"}
+    return words.get(type(value), f"a {type(value).__name__}")
 
 
 def _node(data: Any, path: list[Any]) -> Any:
@@ -336,7 +389,7 @@ def _problem(error: dict, data: Any, positions: Positions, file: str | None) -> 
         path.append(part)
     message = _message(error, path, data)
     line, column = positions.find(path)
-    return Problem(message, path=".".join(str(p) for p in path), file=file, line=line, column=column)
+    return Problem(message, path=field_path(path), file=file, line=line, column=column)
 
 
 def _message(error: dict, path: list[Any], data: Any) -> str:
@@ -350,12 +403,22 @@ def _message(error: dict, path: list[Any], data: Any) -> str:
     if kind == "value_error":
         return msg.removeprefix("Value error, ")
     if kind == "model_type":
-        return "expected a mapping (key: value)"
+        return f"expected a mapping (key: value), got {_yaml_kind(error.get('input'))}"
+    if kind == "union_tag_not_found":  # a router that is not a mapping
+        value = error.get("input")
+        hint = (f"did you mean {{kind: {value}}}?" if isinstance(value, str) and value in ROUTER_SPECS
+                else f"e.g. {{kind: topk}}; kinds: {', '.join(ROUTER_SPECS)}")
+        return f"expected a mapping (key: value), got {_yaml_kind(value)}; {hint}"
     if kind == "selector" and isinstance(error.get("input"), dict) and len(error["input"]) == 1:
         return msg + did_you_mean(next(iter(error["input"])), SELECTORS)
     if kind == "union_tag_invalid":
-        return f"unknown {path[-1] if path else 'kind'} {error['ctx']['tag']!r}; allowed: {error['ctx']['expected_tags']}"
-    return msg[0].lower() + msg[1:] if msg else kind
+        tag, expected = error["ctx"]["tag"], error["ctx"]["expected_tags"]
+        hint = did_you_mean(tag, re.findall(r"'([^']*)'", expected))
+        return f"unknown {path[-1] if path else 'kind'} {tag!r}; allowed: {expected}{hint}"
+    message = msg[0].lower() + msg[1:] if msg else kind
+    if kind == "literal_error":
+        message += did_you_mean(error.get("input"), re.findall(r"'([^']*)'", error["ctx"]["expected"]))
+    return message
 
 
 def _leaf_types(annotation: Any) -> list[Any]:
@@ -368,22 +431,30 @@ def _leaf_types(annotation: Any) -> list[Any]:
     return [annotation]
 
 
+def _unwrapped(candidates: list[Any], lists: bool) -> list[Any]:
+    """The leaf types of `candidates`; with `lists`, a list type stands for its items (a spec may give one
+    mapping where a list is expected: `rescale: {where: ...}`)."""
+    leaves = [leaf for c in candidates for leaf in _leaf_types(c)]
+    return [item for t in leaves
+            for item in (_leaf_types(get_args(t)[0]) if lists and get_origin(t) is list else [t])]
+
+
 def _allowed_keys(model: type[BaseModel], path: list[Any], node: Any = None) -> list[str]:
     """The keys the mapping `node` at `path` of the document may have, found by walking the spec's types;
     among the members of a `kind`-discriminated union, only the one `node` names."""
     candidates: list[Any] = [model]
     for part in path:
         following = []
-        for t in (leaf for c in candidates for leaf in _leaf_types(c)):
+        for t in _unwrapped(candidates, lists=not isinstance(part, int)):
             if isinstance(t, type) and issubclass(t, BaseModel) and str(part) in t.model_fields:
                 following.append(t.model_fields[str(part)].annotation)
-            elif get_origin(t) is list and isinstance(part, int):
+            elif get_origin(t) is list:
                 following.append(get_args(t)[0])
             elif get_origin(t) is dict:
                 following.append(get_args(t)[1])
         candidates = following
-    models = [t for c in candidates for t in _leaf_types(c) if isinstance(t, type) and issubclass(t, BaseModel)]
-    if isinstance(node, dict) and all("kind" in m.model_fields for m in models):
+    models = [t for t in _unwrapped(candidates, lists=True) if isinstance(t, type) and issubclass(t, BaseModel)]
+    if isinstance(node, dict) and models and all("kind" in m.model_fields for m in models):
         kind = node.get("kind", models[0].model_fields["kind"].default)
         models = [m for m in models if kind in get_args(m.model_fields["kind"].annotation)] or models
     keys: list[str] = []

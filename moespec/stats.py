@@ -21,10 +21,10 @@ from torch import nn
 
 from .backbone import create_backbone
 from .compile import compile_model, moe_layers
-from .errors import Problem, SpecError
+from .errors import SpecError
 from .flops import count_macs
-from .plan import plan_for
-from .spec import Spec, located
+from .plan import INPUT_SIZE_ERRORS, input_size_problem, plan_for
+from .spec import Spec
 
 
 @dataclass(frozen=True)
@@ -123,8 +123,5 @@ def _layer_stats(path: str, moe: nn.Module, layer, macs) -> LayerStats:
 def _macs(spec: Spec, model: nn.Module, input_size: tuple[int, int, int]):
     try:
         return count_macs(model, input_size)
-    except (AssertionError, RuntimeError, ValueError) as error:  # e.g. ViT's patch embed on a wrong size
-        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise located(spec, SpecError(Problem(
-            f"the model cannot take input size {list(input_size)}: {reason}; models with a fixed input size "
-            f"take it as img_size in backbone.kwargs", path="input_size"))) from None
+    except INPUT_SIZE_ERRORS as error:
+        raise SpecError(input_size_problem(spec, input_size, error)) from None

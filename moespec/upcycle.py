@@ -27,10 +27,10 @@ from .build import materialize
 from .checkpoint import (DEFAULT_MAX_SHARD_SIZE, CheckpointError, TensorInfo, check_state_dict, load, output_dtype,
                          read_safetensors_into, read_state_dict, safetensors_shapes, spec_metadata, write_sharded)
 from .compile import compile_model, create_model, moe_layers
-from .errors import MoespecError
+from .errors import SpecError
 from .layers import SoftMoE
-from .plan import LayerPlan, Plan, plan_for
-from .spec import Spec
+from .plan import LayerPlan, Plan, checkpoint_problem, plan_for
+from .spec import Spec, spec_problem
 
 
 @dataclass(frozen=True)
@@ -101,6 +101,9 @@ def dense_model(spec: Spec, checkpoint: str | Path | None = None, *,
     timm's pretrained weights if `backbone.pretrained`, else timm's fresh random init.
     """
     if checkpoint is None and spec.backbone.checkpoint is not None:
+        problem = checkpoint_problem(spec)
+        if problem is not None:
+            raise SpecError(problem)
         checkpoint = spec.resolve_path(spec.backbone.checkpoint)
     if checkpoint is not None:
         dense = create_backbone(spec)
@@ -168,11 +171,16 @@ def _upcycle_layer(moe: nn.Module, layer: LayerPlan, ffn_state: dict[str, torch.
     options = spec.upcycle
     hidden = layer.expert_hidden
     if hidden > layer.dense_hidden:
-        raise MoespecError(f"{layer.path}: experts of {hidden} hidden units cannot be upcycled from a dense FFN of "
-                           f"{layer.dense_hidden}; use an expert width <= {layer.dense_hidden}")
+        width = "expert_hidden" if spec.moe[layer.group].expert_hidden is not None else "expert_mlp_ratio"
+        raise SpecError(spec_problem(
+            spec, f"moe.{layer.group}.{width}",
+            f"{layer.path}: experts of {hidden} hidden units cannot be upcycled from a dense FFN of "
+            f"{layer.dense_hidden}; use an expert width <= {layer.dense_hidden}"))
     if options.split == "partition" and hidden * layer.experts > layer.dense_hidden:
-        raise MoespecError(f"{layer.path}: split: partition needs experts x expert_hidden <= {layer.dense_hidden} "
-                           f"(got {layer.experts} x {hidden}); use split: slice or narrower experts")
+        raise SpecError(spec_problem(
+            spec, "upcycle.split",
+            f"{layer.path}: split: partition needs experts x expert_hidden <= {layer.dense_hidden} "
+            f"(got {layer.experts} x {hidden}); use split: slice or narrower experts"))
     adapter = adapter_named(layer.family)
     leading = torch.arange(hidden)
     units = [leading + (i * hidden if options.split == "partition" else 0) for i in range(layer.experts)]

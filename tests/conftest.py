@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 
 import pytest
 import timm
 import torch
+from hypothesis import HealthCheck, settings
 from safetensors.torch import save_file
 from timm.layers import ConvMlp
 from timm.models import register_model
@@ -16,6 +18,14 @@ from torch import nn
 import moespec
 
 SPECS_DIR = Path(__file__).resolve().parent.parent / "specs"
+
+# Hypothesis budgets (tests/test_fuzz_specs.py): "ci" is small, fixed and reproducible; "long" explores.
+# Pick one with MOESPEC_FUZZ=long or `pytest --hypothesis-profile=long`. No example database is written.
+settings.register_profile("ci", max_examples=100, deadline=None, derandomize=True, database=None,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("long", max_examples=2000, deadline=None, database=None,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile(os.environ.get("MOESPEC_FUZZ", "ci"))
 
 # Small versions of the published backbones: real timm classes, few blocks, small images.
 TINY_VIT = {"model": "vit_small_patch16_224", "kwargs": {"depth": 2, "img_size": 64, "num_classes": 10}}

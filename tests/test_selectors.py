@@ -219,14 +219,14 @@ def test_last_more_than_blocks(tmp_path):
     text = group_spec(VIT, "{last: 13}")
     path, problem = plan_problem(tmp_path, text)
     assert_where_problem(path, problem, text)
-    assert problem.message == "last: 13 asks for more blocks than the model has (12)"
+    assert problem.message == "last: 13 asks for more blocks than the model has (12); use 1..12"
 
 
 def test_first_more_than_blocks(tmp_path):
     text = group_spec(CONVNEXT, "{first: 19}")
     path, problem = plan_problem(tmp_path, text)
     assert_where_problem(path, problem, text)
-    assert problem.message == "first: 19 asks for more blocks than the model has (18)"
+    assert problem.message == "first: 19 asks for more blocks than the model has (18); use 1..18"
 
 
 @pytest.mark.parametrize("where", ["{stage_last: 1}", "{stages: {0: [1]}}"])
@@ -256,7 +256,7 @@ def test_stage_last_more_than_stages(tmp_path):
     text = group_spec(CONVNEXT, "{stage_last: 5}")
     path, problem = plan_problem(tmp_path, text)
     assert_where_problem(path, problem, text)
-    assert problem.message == "stage_last: 5 asks for more stages than the model has (4)"
+    assert problem.message == "stage_last: 5 asks for more stages than the model has (4); use 1..4 or all"
 
 
 def test_selector_matching_no_block(tmp_path):

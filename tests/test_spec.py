@@ -315,7 +315,7 @@ upcycle: {split: slices}
     path = write(tmp_path, text)
     problem = only_problem(path)
     assert (problem.line, problem.path) == (2, "upcycle.split")
-    assert problem.message == "input should be 'slice' or 'partition'"
+    assert problem.message == "input should be 'slice' or 'partition'; did you mean 'slice'?"
 
 
 def test_reserved_backbone_kwargs(tmp_path):

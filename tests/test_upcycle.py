@@ -6,10 +6,10 @@ import pytest
 import torch
 
 import moespec
-from moespec.errors import CheckpointError, MoespecError
+from moespec.errors import CheckpointError, SpecError
 from moespec.upcycle import upcycle_with_report
 
-from .conftest import TINY_CONVNEXT, TINY_INPUT, TINY_VIT, make_spec
+from .conftest import TINY_CONVNEXT, TINY_INPUT, TINY_VIT, line_of, make_spec, write
 
 VIT_EVERY2 = [{"where": {"every": 2}, "experts": 8, "top_k": 2, "router": {"normalize": True}}]
 
@@ -126,11 +126,23 @@ def test_unreadable_and_absent_checkpoints(tmp_path):
         moespec.upcycle(spec, broken)
 
 
+def test_an_absent_checkpoint_of_the_spec_is_located_in_the_spec(tmp_path):
+    text = ("backbone:\n  model: vit_small_patch16_224\n  kwargs: {depth: 2, img_size: 64, num_classes: 10}\n"
+            "  checkpoint: absent.safetensors\n")
+    spec = moespec.load_spec(write(tmp_path, text))
+    with pytest.raises(SpecError) as err:
+        moespec.upcycle(spec)
+    problem, = err.value.problems
+    assert (problem.path, problem.line) == ("backbone.checkpoint", line_of(text, "checkpoint:"))
+    assert problem.message.startswith(f"no such checkpoint file {str(tmp_path / 'absent.safetensors')!r}")
+
+
 def test_experts_wider_than_the_dense_ffn_cannot_be_upcycled(dense_checkpoint):
     path, _ = dense_checkpoint(TINY_VIT)
     spec = make_spec(TINY_VIT, [{"where": {"last": 1}, "experts": 2, "expert_hidden": 2048}])
-    with pytest.raises(MoespecError, match="cannot be upcycled from a dense FFN of 1536"):
+    with pytest.raises(SpecError, match="cannot be upcycled from a dense FFN of 1536") as err:
         moespec.upcycle(spec, path)
+    assert err.value.problems[0].path == "moe.0.expert_hidden"
 
 
 @pytest.mark.parametrize("experts,top_k", [(4, 1), (4, 2)])
