@@ -31,13 +31,14 @@ out = Console(width=None if sys.stdout.isatty() else 240)  # never truncate tabl
 def _error(message: str) -> None:
     """One line on stderr, never wrapped (scripts and tests grep these)."""
     typer.echo(message, err=True)
-_debug = False
+_debug = _quiet = False
 
 
 @app.callback()
-def _options(debug: bool = typer.Option(False, "--debug", help="Show Python tracebacks for errors.")) -> None:
-    global _debug
-    _debug = debug
+def _options(debug: bool = typer.Option(False, "--debug", help="Show Python tracebacks for errors."),
+             quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bars.")) -> None:
+    global _debug, _quiet
+    _debug, _quiet = debug, quiet
 
 
 def _run(action: Callable[[], int | None]) -> None:
@@ -177,12 +178,12 @@ def parse_size(text: str, option: str) -> int:
 @contextlib.contextmanager
 def progress(description: str):
     """A rich progress bar on stderr while the block runs, fed by the `update(item, done, total)` it yields.
-    Silent when stderr is not a terminal."""
+    Silent when stderr is not a terminal (piped, redirected) and under `--quiet`."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[item]}"),
                    TimeElapsedColumn(), console=Console(stderr=True), transient=True,
-                   disable=not sys.stderr.isatty())
+                   disable=_quiet or not sys.stderr.isatty())
     task = bar.add_task(description, total=None, item="")
     with bar:
         yield lambda item, done, total: bar.update(task, completed=done, total=total, item=item)
@@ -248,13 +249,17 @@ def stats_command(
         from .stats import stats
 
         records, failed = [], 0
-        for file in _spec_files(specs):
-            try:
-                records.append(stats(load_spec(file), input_size=input_size))
-            except MoespecError as error:
-                failed += 1
-                for problem in (error.problems if isinstance(error, SpecError) else [f"{file}: {error}"]):
-                    _error(f"moespec: error: {problem}")
+        files = _spec_files(specs)
+        with progress("counting") as advance:
+            for done, file in enumerate(files):
+                advance(file.name, done, len(files))
+                try:
+                    records.append(stats(load_spec(file), input_size=input_size))
+                except MoespecError as error:
+                    failed += 1
+                    for problem in (error.problems if isinstance(error, SpecError) else [f"{file}: {error}"]):
+                        _error(f"moespec: error: {problem}")
+            advance("", len(files), len(files))
         if records:
             sys.stdout.write(render(records, format.value, per_layer=per_layer))
         return 2 if failed else 0
