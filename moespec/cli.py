@@ -267,6 +267,18 @@ def stats_command(
     _run(body)
 
 
+@app.command("schema")
+def schema_command() -> None:
+    """Print the JSON Schema of spec files (what moespec/spec.schema.json holds, for editors)."""
+
+    def body() -> None:
+        from .spec import json_schema_text
+
+        sys.stdout.write(json_schema_text())
+
+    _run(body)
+
+
 def _check_output(output: Path, force: bool) -> None:
     """Fail before any work if the output cannot be written."""
     if output.exists() and not force:

@@ -34,7 +34,7 @@ NonNegativeFloat = Annotated[float, Field(ge=0)]
 
 
 class SpecModel(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)  # docstrings: schema descriptions
 
 
 class Backbone(SpecModel):
@@ -88,7 +88,7 @@ def _gate(value: Any) -> Any:
     return {"kind": value} if isinstance(value, str) else value
 
 
-GateSpec = Annotated[Gate, BeforeValidator(_gate)]
+GateSpec = Annotated[Gate, BeforeValidator(_gate, json_schema_input_type=Union[Literal["linear", "cosine", "l2"], Gate])]
 
 
 class TopKRouter(SpecModel):
@@ -160,6 +160,11 @@ def _as_list(value: Any) -> Any:
     return value if isinstance(value, list) else [value]
 
 
+def OneOrList(item: Any) -> Any:
+    """`list[item]` that also accepts a single `item`, in validation and in the JSON Schema."""
+    return Annotated[list[item], BeforeValidator(_as_list, json_schema_input_type=Union[item, list[item]])]
+
+
 class MoEGroup(SpecModel):
     """One surgery group: the FFN `sublayer` of each block picked by `where` becomes an MoE layer."""
 
@@ -180,7 +185,7 @@ class MoEGroup(SpecModel):
     capacity_factor: Optional[PositiveFloat] = None
     """topk only: each expert takes at most ceil(capacity_factor * top_k * T / experts) of T items;
     null = dropless."""
-    aux_loss: Annotated[list[AuxLoss], BeforeValidator(_as_list)] = [AuxLoss()]
+    aux_loss: OneOrList(AuxLoss) = [AuxLoss()]
     """One aux loss or a list of them; stored as a list."""
 
     @field_validator("top_k")
@@ -253,7 +258,7 @@ class Spec(SpecModel):
     backbone: Backbone
     input_size: Optional[tuple[PositiveInt, PositiveInt, PositiveInt]] = None
     """(channels, height, width); default: the backbone's pretrained_cfg input_size."""
-    rescale: Annotated[list[Rescale], BeforeValidator(_as_list)] = []
+    rescale: OneOrList(Rescale) = []
     """Blocks to rebuild at a rescaled shape (Sparse-MLP); one mapping or a list."""
     moe: list[MoEGroup] = []
     upcycle: Upcycle = Upcycle()
@@ -407,3 +412,21 @@ def spec_problem(spec: Spec, path: str, message: str) -> Problem:
 def located(spec: Spec, error: SpecError) -> SpecError:
     """`error` with its unlocated problems placed in `spec`'s file (by their field path)."""
     return SpecError([spec_problem(spec, p.path, p.message) if p.file is None else p for p in error.problems])
+
+
+SCHEMA_FILE = Path(__file__).with_name("spec.schema.json")
+"""The committed JSON Schema (`moespec schema` writes it); shipped specs point editors at it."""
+
+
+def json_schema() -> dict[str, Any]:
+    """The JSON Schema (draft 2020-12) of a spec file, generated from the pydantic models. Editors use it to
+    complete and check specs; checks that span fields (top_k <= experts, ...) are only in `load_spec`."""
+    schema = Spec.model_json_schema()
+    return {"$schema": "https://json-schema.org/draft/2020-12/schema", **schema, "title": "moespec spec"}
+
+
+def json_schema_text() -> str:
+    """`json_schema()` as the text of `spec.schema.json`."""
+    import json
+
+    return json.dumps(json_schema(), indent=2, ensure_ascii=False) + "\n"
