@@ -262,6 +262,10 @@ class Spec(SpecModel):
     """Blocks to rebuild at a rescaled shape (Sparse-MLP); one mapping or a list."""
     moe: list[MoEGroup] = []
     upcycle: Upcycle = Upcycle()
+    aux_loss_in_backward: bool = False
+    """Add every MoE layer's weighted aux loss to the gradients in backward (like Megatron's
+    MoEAuxLossAutoScaler), for training loops that never call `moespec.aux_loss`; `moespec.aux_loss(model)`
+    then returns the value detached, for logging, so adding it as well does not count it twice."""
     _source: Optional[str] = PrivateAttr(default=None)
 
     @property

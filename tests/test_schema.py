@@ -70,6 +70,7 @@ ACCEPTED = {
     "aux losses": {"moe": [{"where": {"first": 1}, "experts": 4, "aux_loss": [{"kind": "switch"}, {"kind": "z_loss"}]}]},
     "router noise as std": {"moe": [{"where": {"blocks": [0, -1]}, "experts": 4, "router": {"noise": 0.5}}]},
     "one rescale": {"rescale": {"where": {"last": 2}, "tokens": 2.0, "channels": 0.5}},
+    "aux loss in backward": {"aux_loss_in_backward": True},
 }
 REJECTED = {
     "unknown top-level key": {"moes": []},
