@@ -10,7 +10,7 @@ import contextlib
 import sys
 from enum import Enum
 from pathlib import Path
-from typing import Callable, List, Optional, Tuple
+from typing import Annotated, Callable, List, Optional, Tuple
 
 import typer
 from rich.console import Console
@@ -263,6 +263,53 @@ def stats_command(
         if records:
             sys.stdout.write(render(records, format.value, per_layer=per_layer))
         return 2 if failed else 0
+
+    _run(body)
+
+
+@app.command("sweep")
+def sweep_command(
+    spec: Annotated[Path, typer.Argument(help="The spec to vary.")],
+    settings: Annotated[List[str], typer.Option(
+        "--set", metavar="PATH=V1,V2,...",
+        help="Values to try at a dotted path of the spec, e.g. moe.0.experts=4,8,16 or 'moe.0.where={every: 2},"
+             "{last: 2}' (YAML values; commas inside {} [] and quotes do not split). Repeat for a grid.")],
+    format: Annotated[Format, typer.Option("--format", "-f", help="Output format.")] = Format.table,
+    per_layer: Annotated[bool, typer.Option("--per-layer", help="One row per MoE layer and per dense remainder.")] = False,
+    plot: Annotated[Optional[Path], typer.Option(
+        "--plot", help="Draw activated GMACs against total parameters (.png, .svg or .pdf), with the Pareto front.")] = None,
+    force: Annotated[bool, typer.Option("--force", help="Overwrite an existing --plot file.")] = False,
+    input_size: Annotated[Optional[Tuple[int, int, int]], typer.Option(
+        "--input-size", metavar="C H W", help="Override the spec's input size.")] = None,
+) -> None:
+    """Stats of every combination of --set values (their cartesian product), with the swept values as columns.
+
+    Points that do not validate are listed on stderr; the others still print, and the exit code is then 2.
+    """
+
+    def body() -> int:
+        from .report import render
+        from .sweep import parse_setting, plot as draw, sweep
+
+        parsed = [parse_setting(text) for text in settings]
+        if plot is not None:
+            from .plots import check_figure_path, require_matplotlib
+
+            require_matplotlib("moespec sweep --plot")
+            check_figure_path(plot, force)
+        with progress("sweeping") as advance:
+            points = sweep(spec, parsed, input_size=input_size, on_point=advance)
+        valid = [p for p in points if p.stats is not None]
+        for point in points:
+            for problem in point.problems:
+                _error(f"moespec: error: point {point.label}: {problem}")
+        if valid:
+            sys.stdout.write(render([p.stats for p in valid], format.value, per_layer=per_layer,
+                                    settings=[p.settings for p in valid]))
+        if plot is not None and valid:
+            draw(points, plot, title=f"{valid[0].stats.name}: {len(valid)} designs")
+            _error(f"moespec: wrote {plot}")
+        return 2 if len(valid) < len(points) else 0
 
     _run(body)
 

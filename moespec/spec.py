@@ -377,6 +377,15 @@ def _leaf_types(annotation: Any) -> list[Any]:
     return [annotation]
 
 
+def allowed_keys(path: list[Any], node: Any = None) -> list[str]:
+    """The keys the mapping at `path` (keys and list indices) of a spec document may have; [] where any key
+    goes (`backbone.kwargs`). `node`, the mapping itself, picks the router by its `kind`."""
+    keys = _allowed_keys(Spec, path, node)
+    if not keys and isinstance(node, dict):  # a one-or-list field written as its one item (`where: {every: 2}`)
+        keys = _allowed_keys(Spec, [*path, 0], node)
+    return keys
+
+
 def _allowed_keys(model: type[BaseModel], path: list[Any], node: Any = None) -> list[str]:
     """The keys the mapping `node` at `path` of the document may have, found by walking the spec's types;
     among the members of a `kind`-discriminated union, only the one `node` names."""
@@ -392,7 +401,7 @@ def _allowed_keys(model: type[BaseModel], path: list[Any], node: Any = None) -> 
                 following.append(get_args(t)[1])
         candidates = following
     models = [t for c in candidates for t in _leaf_types(c) if isinstance(t, type) and issubclass(t, BaseModel)]
-    if isinstance(node, dict) and all("kind" in m.model_fields for m in models):
+    if models and isinstance(node, dict) and all("kind" in m.model_fields for m in models):
         kind = node.get("kind", models[0].model_fields["kind"].default)
         models = [m for m in models if kind in get_args(m.model_fields["kind"].annotation)] or models
     keys: list[str] = []
