@@ -314,6 +314,40 @@ def sweep_command(
     _run(body)
 
 
+@app.command("inspect")
+def inspect_command(
+    source: Annotated[Path, typer.Argument(
+        help="A spec (built with a random init) or a moespec checkpoint (.safetensors, sharded index or folder).")],
+    images: Annotated[Path, typer.Option("--images", help="Labelled images: one subfolder of images per class.")],
+    output: Annotated[Path, typer.Option("-o", "--output", help="Report folder (index.html, summary.json, figures).")],
+    limit: Annotated[Optional[int], typer.Option("--limit", min=1, help="At most N images per class.")] = None,
+    batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="Images per forward.")] = 32,
+    seed: Annotated[int, typer.Option(help="Seed for a spec's random initialization.")] = 0,
+    force: Annotated[bool, typer.Option("--force", help="Replace an existing, non-empty report folder.")] = False,
+) -> None:
+    """Route labelled images through the model and show, per MoE layer, which experts each class uses."""
+
+    def body() -> None:
+        from .inspection import check_report_output, find_images, inspect_routing, load_model, write_report
+        from .plots import require_matplotlib
+
+        require_matplotlib("moespec inspect")
+        check_report_output(output, force)
+        folder = find_images(images, limit)
+        model = load_model(source, seed=seed)
+        with progress("routing images") as advance:
+            report = inspect_routing(model, folder, batch_size=batch_size, source=str(source), on_batch=advance)
+        for skipped in report.skipped[:5]:
+            _error(f"moespec: warning: skipped an unreadable image: {skipped}")
+        if len(report.skipped) > 5:
+            _error(f"moespec: warning: skipped {len(report.skipped) - 5} more unreadable images (see summary.json)")
+        write_report(report, output, force=force)
+        out.print(f"wrote {output / 'index.html'} ({len(report.layers)} MoE layers, {sum(report.images_per_class)} "
+                  f"images in {len(report.classes)} classes)", markup=False)
+
+    _run(body)
+
+
 @app.command("schema")
 def schema_command() -> None:
     """Print the JSON Schema of spec files (what moespec/spec.schema.json holds, for editors)."""

@@ -88,3 +88,50 @@ def sweep_figure(title: str, points: Sequence[tuple[str, float, float]], front: 
     axes.legend(loc="best", fontsize=8)
     axes.margins(x=0.2, y=0.12)
     return figure
+
+
+def routing_heatmap(title: str, classes: Sequence[str], share: Sequence[Sequence[float]], label: str) -> "Figure":
+    """Classes (rows, in the given order) x experts (columns); a cell is `share[row][expert]`, with a
+    colorbar. Cells carry their value while the grid is small enough to read them."""
+    import numpy as np
+
+    values = np.asarray(share, dtype=float)
+    rows, experts = values.shape
+    figure = new_figure(min(14.0, 3.6 + 0.42 * experts + 0.06 * max(map(len, classes))),
+                        min(16.0, max(3.2, 1.8 + 0.3 * rows)))
+    axes = figure.add_subplot()
+    image = axes.imshow(values, aspect="auto", cmap="viridis", vmin=0.0, vmax=max(float(values.max()), 1e-9),
+                        interpolation="nearest")
+    figure.colorbar(image, ax=axes, label=label, fraction=0.08, pad=0.02)
+    step = max(1, experts // 32)
+    axes.set_xticks(range(0, experts, step))
+    axes.set_xlabel("expert")
+    if rows <= 80:
+        axes.set_yticks(range(rows), [str(c) for c in classes], fontsize=8 if rows > 20 else 9)
+    else:
+        axes.set_yticks([])
+    axes.set_ylabel("class (grouped by top expert)")
+    if rows * experts <= 160:
+        middle = values.max() / 2
+        for (r, e), value in np.ndenumerate(values):
+            axes.text(e, r, f"{value:.2f}", ha="center", va="center", fontsize=7,
+                      color="black" if value > middle else "white")
+    axes.set_title(title, fontsize=10)
+    return figure
+
+
+def load_figure(title: str, load_share: Sequence[float]) -> "Figure":
+    """The share of all routed assignments each expert took, against the uniform share 1 / E."""
+    experts = len(load_share)
+    figure = new_figure(min(12.0, 3.5 + 0.3 * experts), 3.4)
+    axes = figure.add_subplot()
+    axes.bar(range(experts), load_share, color="tab:blue", width=0.8)
+    axes.axhline(1 / experts, color="tab:red", linestyle="--", linewidth=1, label=f"uniform (1/{experts})")
+    step = max(1, experts // 32)
+    axes.set_xticks(range(0, experts, step))
+    axes.set_xlabel("expert")
+    axes.set_ylabel("share of assignments")
+    axes.set_ylim(0, max(max(load_share), 1 / experts) * 1.25)
+    axes.legend(fontsize=8, loc="upper right")
+    axes.set_title(title, fontsize=10)
+    return figure
