@@ -7,7 +7,9 @@ import subprocess
 import sys
 
 import pytest
+from typer.testing import CliRunner
 
+from moespec.cli import app
 from moespec.errors import MoespecError
 from moespec.report import render
 from moespec.stats import SpecStats
@@ -159,9 +161,9 @@ def test_sweep_command_prints_the_valid_points_lists_the_invalid_and_plots(tiny_
     assert [line.split(",")[1:3] for line in lines[1:]] == [["2", "1"], ["4", "1"], ["4", "3"]]
     assert (folder / "front.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
-    again = subprocess.run(argv, cwd=folder, capture_output=True, text=True, timeout=300)
-    assert again.returncode == 2 and again.stdout == ""
-    assert again.stderr == "moespec: error: front.png already exists; pass --force to overwrite it\n"
+    again = CliRunner().invoke(app, argv[3:-1] + [str(folder / "front.png")])
+    assert again.exit_code == 2 and again.stdout == ""
+    assert again.stderr == f"moespec: error: {folder / 'front.png'} already exists; pass --force to overwrite it\n"
 
 
 def test_without_matplotlib_plotting_names_the_extra(monkeypatch):

@@ -71,14 +71,14 @@ def test_pretrained_goes_through_upcycling(monkeypatch):
     assert len(seen) == 1 and seen[0].backbone.pretrained and seen[0].backbone.kwargs["num_classes"] == 7
 
 
-def _train(name: str, state: dict, add_aux: bool, steps: int = 3) -> dict[str, torch.Tensor]:
+def _train(name: str, state: dict, add_aux: bool, steps: int = 2) -> dict[str, torch.Tensor]:
     """A plain loop, as timm's train script writes it; returns the router weights after `steps` SGD steps."""
     model = timm.create_model(name, num_classes=3)
     model.load_state_dict(state)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     generator = torch.Generator().manual_seed(0)
     for _ in range(steps):
-        images, labels = torch.randn(4, 3, 64, 64, generator=generator), torch.randint(0, 3, (4,), generator=generator)
+        images, labels = torch.randn(2, 3, 64, 64, generator=generator), torch.randint(0, 3, (2,), generator=generator)
         loss = F.cross_entropy(model(images), labels)
         if add_aux:
             loss = loss + moespec.aux_loss(model)
@@ -101,6 +101,4 @@ def test_the_aux_loss_reaches_the_routers_in_a_loop_that_never_adds_it():
     for key in autoscaled:
         torch.testing.assert_close(autoscaled[key], by_hand[key], atol=1e-6, rtol=1e-5)
         assert (autoscaled[key] - without[key]).abs().max() > 1e-4  # the aux loss moved the routers
-    both = _train(scaled, state, add_aux=True)  # the autoscaler plus aux_loss(model): not counted twice
-    for key in autoscaled:
-        torch.testing.assert_close(both[key], autoscaled[key])
+    # (that adding moespec.aux_loss as well does not count it twice: tests/layers/test_moe_layer.py)
