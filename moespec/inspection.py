@@ -254,9 +254,12 @@ def write_report(report: RoutingReport, output: str | Path, *, force: bool = Fal
     `output` is always either the previous report or the whole new one."""
     output = Path(output)
     check_report_output(output, force)
+    from .plots import default_mode
+
     building = Path(tempfile.mkdtemp(prefix=f".{output.name}.", suffix=".tmp", dir=output.absolute().parent))
     try:
         _write_files(report, building)
+        os.chmod(building, default_mode(directory=True))
         old = None
         if output.exists():
             old = output.with_name(f".{output.name}.old-{os.getpid()}")

@@ -45,12 +45,20 @@ def new_figure(width: float, height: float) -> "Figure":
     return Figure(figsize=(width, height), layout="constrained")
 
 
+def default_mode(directory: bool = False) -> int:
+    """The permissions a new file (or folder) gets from the umask; temp files start private (0600 / 0700)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return (0o777 if directory else 0o666) & ~umask
+
+
 def save_figure(figure: "Figure", path: Path, dpi: int = 110) -> Path:
     """Write `figure` through a temp file in the target folder and a rename, so a figure is whole or absent."""
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     try:
         figure.savefig(tmp, format=path.suffix.lower()[1:], dpi=dpi)
+        os.chmod(tmp, default_mode())
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):

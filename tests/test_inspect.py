@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import stat
 import subprocess
 import sys
 
@@ -147,6 +149,10 @@ def test_the_report_folder(workspace, report, tmp_path):
         for name in layer["figures"].values():
             assert (output / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"src='{name}'" in page
     assert sorted(p.name for p in tmp_path.iterdir()) == ["report"]  # no temp folder left behind
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat.S_IMODE(output.stat().st_mode) == 0o777 & ~umask  # not the private mode of a temp folder
+    assert {stat.S_IMODE(p.stat().st_mode) for p in output.iterdir()} == {0o666 & ~umask}
 
     with pytest.raises(MoespecError, match="already exists and is not empty; pass --force"):
         write_report(result, output)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import stat
 import subprocess
 import sys
 
@@ -160,6 +162,9 @@ def test_sweep_command_prints_the_valid_points_lists_the_invalid_and_plots(tiny_
     assert lines[0].startswith("name,moe.0.experts,moe.0.top_k,backbone,")
     assert [line.split(",")[1:3] for line in lines[1:]] == [["2", "1"], ["4", "1"], ["4", "3"]]
     assert (folder / "front.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat.S_IMODE((folder / "front.png").stat().st_mode) == 0o666 & ~umask  # not a temp file's 0600
 
     again = CliRunner().invoke(app, argv[3:-1] + [str(folder / "front.png")])
     assert again.exit_code == 2 and again.stdout == ""
