@@ -8,7 +8,6 @@ import json
 from typing import Any, Sequence
 
 import yaml
-
 from rich.console import Console
 from rich.table import Table
 
