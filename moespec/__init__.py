@@ -12,9 +12,10 @@ from .layers.moe import aux_loss
 from .plan import Plan, plan
 from .spec import Spec, load_spec
 from .stats import stats
+from .timm_registry import register_timm
 from .upcycle import upcycle, upcycle_to_checkpoint
 
 __all__ = [
     "CheckpointError", "MoespecError", "Plan", "Spec", "SpecError", "aux_loss", "create_model", "load",
-    "load_spec", "moe_layers", "plan", "save", "stats", "upcycle", "upcycle_to_checkpoint",
+    "load_spec", "moe_layers", "plan", "register_timm", "save", "stats", "upcycle", "upcycle_to_checkpoint",
 ]

@@ -33,7 +33,8 @@ def build_moe(layer: LayerPlan, dense_ffn: nn.Module) -> nn.Module:
     weights: dict[str, float] = {}
     for aux in layer.aux_losses:
         weights[aux.kind] = weights.get(aux.kind, 0.0) + aux.weight
-    return MoE(router, experts, shared, channels_dim=layer.channels_dim, aux_loss_weights=weights)
+    return MoE(router, experts, shared, channels_dim=layer.channels_dim, aux_loss_weights=weights,
+               aux_loss_in_backward=layer.aux_loss_in_backward)
 
 
 def build_gate(gate, dim: int, experts: int) -> nn.Module:

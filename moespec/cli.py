@@ -10,7 +10,7 @@ import contextlib
 import sys
 from enum import Enum
 from pathlib import Path
-from typing import Callable, List, Optional, Tuple
+from typing import Annotated, Callable, List, Optional, Tuple
 
 import typer
 from rich.console import Console
@@ -31,13 +31,14 @@ out = Console(width=None if sys.stdout.isatty() else 240)  # never truncate tabl
 def _error(message: str) -> None:
     """One line on stderr, never wrapped (scripts and tests grep these)."""
     typer.echo(message, err=True)
-_debug = False
+_debug = _quiet = False
 
 
 @app.callback()
-def _options(debug: bool = typer.Option(False, "--debug", help="Show Python tracebacks for errors.")) -> None:
-    global _debug
-    _debug = debug
+def _options(debug: bool = typer.Option(False, "--debug", help="Show Python tracebacks for errors."),
+             quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bars.")) -> None:
+    global _debug, _quiet
+    _debug, _quiet = debug, quiet
 
 
 def _run(action: Callable[[], int | None]) -> None:
@@ -177,12 +178,12 @@ def parse_size(text: str, option: str) -> int:
 @contextlib.contextmanager
 def progress(description: str):
     """A rich progress bar on stderr while the block runs, fed by the `update(item, done, total)` it yields.
-    Silent when stderr is not a terminal."""
+    Silent when stderr is not a terminal (piped, redirected) and under `--quiet`."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[item]}"),
                    TimeElapsedColumn(), console=Console(stderr=True), transient=True,
-                   disable=not sys.stderr.isatty())
+                   disable=_quiet or not sys.stderr.isatty())
     task = bar.add_task(description, total=None, item="")
     with bar:
         yield lambda item, done, total: bar.update(task, completed=done, total=total, item=item)
@@ -251,16 +252,113 @@ def stats_command(
         from .stats import stats
 
         records, failed = [], 0
-        for file in _spec_files(specs):
-            try:
-                records.append(stats(load_spec(file), input_size=input_size))
-            except MoespecError as error:
-                failed += 1
-                for problem in (error.problems if isinstance(error, SpecError) else [f"{file}: {error}"]):
-                    _error(f"moespec: error: {problem}")
+        files = _spec_files(specs)
+        with progress("counting") as advance:
+            for done, file in enumerate(files):
+                advance(file.name, done, len(files))
+                try:
+                    records.append(stats(load_spec(file), input_size=input_size))
+                except MoespecError as error:
+                    failed += 1
+                    for problem in (error.problems if isinstance(error, SpecError) else [f"{file}: {error}"]):
+                        _error(f"moespec: error: {problem}")
+            advance("", len(files), len(files))
         if records:
             sys.stdout.write(render(records, format.value, per_layer=per_layer))
         return 2 if failed else 0
+
+    _run(body)
+
+
+@app.command("sweep")
+def sweep_command(
+    spec: Annotated[Path, typer.Argument(help="The spec to vary.")],
+    settings: Annotated[List[str], typer.Option(
+        "--set", metavar="PATH=V1,V2,...",
+        help="Values to try at a dotted path of the spec, e.g. moe.0.experts=4,8,16 or 'moe.0.where={every: 2},"
+             "{last: 2}' (YAML values; commas inside {} [] and quotes do not split). Repeat for a grid.")],
+    format: Annotated[Format, typer.Option("--format", "-f", help="Output format.")] = Format.table,
+    per_layer: Annotated[bool, typer.Option("--per-layer", help="One row per MoE layer and per dense remainder.")] = False,
+    plot: Annotated[Optional[Path], typer.Option(
+        "--plot", help="Draw activated GMACs against total parameters (.png, .svg or .pdf), with the Pareto front.")] = None,
+    force: Annotated[bool, typer.Option("--force", help="Overwrite an existing --plot file.")] = False,
+    input_size: Annotated[Optional[Tuple[int, int, int]], typer.Option(
+        "--input-size", metavar="C H W", help="Override the spec's input size.")] = None,
+) -> None:
+    """Stats of every combination of --set values (their cartesian product), with the swept values as columns.
+
+    Points that do not validate are listed on stderr; the others still print, and the exit code is then 2.
+    """
+
+    def body() -> int:
+        from .report import render
+        from .sweep import parse_setting, plot as draw, sweep
+
+        parsed = [parse_setting(text) for text in settings]
+        if plot is not None:
+            from .plots import check_figure_path, require_matplotlib
+
+            require_matplotlib("moespec sweep --plot")
+            check_figure_path(plot, force)
+        with progress("sweeping") as advance:
+            points = sweep(spec, parsed, input_size=input_size, on_point=advance)
+        valid = [p for p in points if p.stats is not None]
+        for point in points:
+            for problem in point.problems:
+                _error(f"moespec: error: point {point.label}: {problem}")
+        if valid:
+            sys.stdout.write(render([p.stats for p in valid], format.value, per_layer=per_layer,
+                                    settings=[p.settings for p in valid]))
+        if plot is not None and valid:
+            draw(points, plot, title=f"{valid[0].stats.name}: {len(valid)} designs")
+            _error(f"moespec: wrote {plot}")
+        return 2 if len(valid) < len(points) else 0
+
+    _run(body)
+
+
+@app.command("inspect")
+def inspect_command(
+    source: Annotated[Path, typer.Argument(
+        help="A spec (built with a random init) or a moespec checkpoint (.safetensors, sharded index or folder).")],
+    images: Annotated[Path, typer.Option("--images", help="Labelled images: one subfolder of images per class.")],
+    output: Annotated[Path, typer.Option("-o", "--output", help="Report folder (index.html, summary.json, figures).")],
+    limit: Annotated[Optional[int], typer.Option("--limit", min=1, help="At most N images per class.")] = None,
+    batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="Images per forward.")] = 32,
+    seed: Annotated[int, typer.Option(help="Seed for a spec's random initialization.")] = 0,
+    force: Annotated[bool, typer.Option("--force", help="Replace an existing, non-empty report folder.")] = False,
+) -> None:
+    """Route labelled images through the model and show, per MoE layer, which experts each class uses."""
+
+    def body() -> None:
+        from .inspection import check_report_output, find_images, inspect_routing, load_model, write_report
+        from .plots import require_matplotlib
+
+        require_matplotlib("moespec inspect")
+        check_report_output(output, force)
+        folder = find_images(images, limit)
+        model = load_model(source, seed=seed)
+        with progress("routing images") as advance:
+            report = inspect_routing(model, folder, batch_size=batch_size, source=str(source), on_batch=advance)
+        for skipped in report.skipped[:5]:
+            _error(f"moespec: warning: skipped an unreadable image: {skipped}")
+        if len(report.skipped) > 5:
+            _error(f"moespec: warning: skipped {len(report.skipped) - 5} more unreadable images (see summary.json)")
+        write_report(report, output, force=force)
+        out.print(f"wrote {output / 'index.html'} ({len(report.layers)} MoE layers, {sum(report.images_per_class)} "
+                  f"images in {len(report.classes)} classes)", markup=False)
+
+    _run(body)
+
+
+@app.command("schema")
+def schema_command() -> None:
+    """Print the JSON Schema of spec files (what moespec/spec.schema.json holds, for editors)."""
+
+    def body() -> None:
+        from .spec import json_schema_text
+
+        sys.stdout.write(json_schema_text())
 
     _run(body)
 

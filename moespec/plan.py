@@ -41,6 +41,7 @@ class LayerPlan:
     capacity_factor: float | None
     aux_losses: tuple[AuxLoss, ...]
     pool: str | None = None  # image routing: "cls" or "mean"
+    aux_loss_in_backward: bool = False  # the aux loss reaches the gradients without `moespec.aux_loss`
 
     @property
     def router_name(self) -> str:
@@ -315,6 +316,7 @@ def _layer_plan(spec: Spec, index: int, group: MoEGroup, block: int, path: str, 
         out_features=shape.out_features, channels_dim=shape.channels_dim,
         experts=group.experts, top_k=group.top_k, shared_experts=group.shared_experts,
         router=group.router, capacity_factor=group.capacity_factor, aux_losses=tuple(group.aux_loss), pool=pool,
+        aux_loss_in_backward=spec.aux_loss_in_backward,
     )
 
 

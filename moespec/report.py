@@ -5,8 +5,9 @@ from __future__ import annotations
 import csv
 import io
 import json
-from typing import Sequence
+from typing import Any, Sequence
 
+import yaml
 from rich.console import Console
 from rich.table import Table
 
@@ -44,11 +45,23 @@ def layer_rows(records: Sequence[SpecStats]) -> list[tuple[str, ...]]:
     return rows
 
 
-def render(records: Sequence[SpecStats], format: str, per_layer: bool = False) -> str:
-    """The records in `format` (one of FORMATS) as text."""
+def render(records: Sequence[SpecStats], format: str, per_layer: bool = False,
+           settings: Sequence[dict[str, Any]] | None = None) -> str:
+    """The records in `format` (one of FORMATS) as text. `settings` (one mapping per record, the same keys
+    in each, e.g. the swept values of `moespec sweep`) adds a column per key after the name, and a
+    "settings" entry to each JSON record."""
     if format == "json":
-        return json.dumps([s.to_dict() for s in records], indent=2) + "\n"
+        dicts = [s.to_dict() for s in records]
+        if settings is not None:
+            dicts = [{"name": d["name"], "settings": values, **d} for d, values in zip(dicts, settings, strict=True)]
+        return json.dumps(dicts, indent=2) + "\n"
     columns, rows = (LAYER_COLUMNS, layer_rows(records)) if per_layer else (SPEC_COLUMNS, spec_rows(records))
+    keys: list[str] = list(settings[0]) if settings else []
+    if keys:
+        per_record = [layer_rows([s]) if per_layer else spec_rows([s]) for s in records]
+        rows = [(row[0], *(show(values[k]) for k in keys), *row[1:])
+                for record_rows, values in zip(per_record, settings, strict=True) for row in record_rows]
+        columns = (columns[0], *keys, *columns[1:])
     if format == "csv":
         buffer = io.StringIO()
         writer = csv.writer(buffer, lineterminator="\n")
@@ -61,12 +74,19 @@ def render(records: Sequence[SpecStats], format: str, per_layer: bool = False) -
         return "\n".join(lines) + f"\n\n{FOOTER}\n"
     table = Table(caption=FOOTER, caption_justify="left")
     for i, column in enumerate(columns):
-        table.add_column(column, justify="left" if i < 2 else "right", no_wrap=i < 2)
+        text = i < 2 + len(keys)  # the name, the settings and the backbone
+        table.add_column(column, justify="left" if text else "right", no_wrap=text)
     for row in rows:
         table.add_row(*row)
     console = Console(width=max(100, sum(len(c) + 3 for c in columns) + 40), record=True, file=io.StringIO())
     console.print(table)
     return console.export_text()
+
+
+def show(value: Any) -> str:
+    """A value as YAML flow text: `8`, `true`, `{every: 2}`, `[{last: 1}]`."""
+    text = yaml.safe_dump(value, default_flow_style=True, width=float("inf")).strip()
+    return text.removesuffix("...").strip()
 
 
 def _m(count: int) -> str:

@@ -67,6 +67,8 @@ def _need_stages(layout: "BlockLayout", selector: str) -> None:
 
 @register_selector("every")
 class Every(Selector):
+    """Every N-th block: blocks i with (i + 1) % N == 0 (1, 3, 5, ... for N = 2)."""
+
     FORM: ClassVar[str] = "{every: N}"
 
     every: PositiveInt
@@ -77,6 +79,8 @@ class Every(Selector):
 
 @register_selector("last")
 class Last(Selector):
+    """The last N blocks."""
+
     FORM: ClassVar[str] = "{last: N}"
 
     last: PositiveInt
@@ -90,6 +94,8 @@ class Last(Selector):
 
 @register_selector("first")
 class First(Selector):
+    """The first N blocks."""
+
     FORM: ClassVar[str] = "{first: N}"
 
     first: PositiveInt
@@ -104,6 +110,8 @@ class First(Selector):
 
 @register_selector("blocks")
 class Blocks(Selector):
+    """Explicit global block indices; negatives count from the end."""
+
     FORM: ClassVar[str] = "{blocks: [i, ...]}"
 
     blocks: Annotated[list[int], Field(min_length=1)]
@@ -114,6 +122,8 @@ class Blocks(Selector):
 
 @register_selector("stage_last")
 class StageLast(Selector):
+    """The final block of each of the last N stages (`all`: of every stage)."""
+
     FORM: ClassVar[str] = "{stage_last: N | all}"
 
     stage_last: Union[PositiveInt, Literal["all"]]
@@ -130,9 +140,12 @@ class StageLast(Selector):
 
 @register_selector("stages")
 class Stages(Selector):
+    """Block indices within stages: {stage: [block, ...]}; negatives count from the end."""
+
     FORM: ClassVar[str] = "{stages: {stage: [i, ...]}}"
 
-    stages: Annotated[dict[int, Annotated[list[int], Field(min_length=1)]], Field(min_length=1)]
+    stages: Annotated[dict[int, Annotated[list[int], Field(min_length=1)]],
+                      Field(min_length=1, json_schema_extra={"propertyNames": {"pattern": "^-?[0-9]+$"}})]
 
     def resolve(self, layout: "BlockLayout") -> list[int]:
         _need_stages(layout, "stages")
@@ -166,7 +179,8 @@ AnySelector = Annotated[
 
 Where = Annotated[
     list[AnySelector],
-    BeforeValidator(lambda value: value if isinstance(value, list) else [value]),
+    BeforeValidator(lambda value: value if isinstance(value, list) else [value],
+                    json_schema_input_type=Union[AnySelector, list[AnySelector]]),
     Field(min_length=1),
 ]
 """One selector or a list of them; stored as a list (their union)."""

@@ -37,7 +37,7 @@ NonNegativeFloat = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 
 
 class SpecModel(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)  # docstrings: schema descriptions
 
 
 class Backbone(SpecModel):
@@ -92,7 +92,7 @@ def _gate(value: Any) -> Any:
     return {"kind": value} if isinstance(value, str) else value
 
 
-GateSpec = Annotated[Gate, BeforeValidator(_gate)]
+GateSpec = Annotated[Gate, BeforeValidator(_gate, json_schema_input_type=Union[Literal["linear", "cosine", "l2"], Gate])]
 
 
 class TopKRouter(SpecModel):
@@ -164,6 +164,11 @@ def _as_list(value: Any) -> Any:
     return value if isinstance(value, list) else [value]
 
 
+def OneOrList(item: Any) -> Any:
+    """`list[item]` that also accepts a single `item`, in validation and in the JSON Schema."""
+    return Annotated[list[item], BeforeValidator(_as_list, json_schema_input_type=Union[item, list[item]])]
+
+
 class MoEGroup(SpecModel):
     """One surgery group: the FFN `sublayer` of each block picked by `where` becomes an MoE layer."""
 
@@ -184,7 +189,7 @@ class MoEGroup(SpecModel):
     capacity_factor: Optional[PositiveFloat] = None
     """topk only: each expert takes at most ceil(capacity_factor * top_k * T / experts) of T items;
     null = dropless."""
-    aux_loss: Annotated[list[AuxLoss], BeforeValidator(_as_list)] = [AuxLoss()]
+    aux_loss: OneOrList(AuxLoss) = [AuxLoss()]
     """One aux loss or a list of them; stored as a list."""
 
     @field_validator("top_k")
@@ -283,10 +288,14 @@ class Spec(SpecModel):
     input_size: Optional[Annotated[tuple[PositiveInt, PositiveInt, PositiveInt],
                                    BeforeValidator(_channels_height_width)]] = None
     """(channels, height, width); default: the backbone's pretrained_cfg input_size."""
-    rescale: Annotated[list[Rescale], BeforeValidator(_as_list)] = []
+    rescale: OneOrList(Rescale) = []
     """Blocks to rebuild at a rescaled shape (Sparse-MLP); one mapping or a list."""
     moe: list[MoEGroup] = []
     upcycle: Upcycle = Upcycle()
+    aux_loss_in_backward: bool = False
+    """Add every MoE layer's weighted aux loss to the gradients in backward (like Megatron's
+    MoEAuxLossAutoScaler), for training loops that never call `moespec.aux_loss`; `moespec.aux_loss(model)`
+    then returns the value detached, for logging, so adding it as well does not count it twice."""
     _source: Optional[str] = PrivateAttr(default=None)
 
     @property
@@ -439,6 +448,15 @@ def _unwrapped(candidates: list[Any], lists: bool) -> list[Any]:
             for item in (_leaf_types(get_args(t)[0]) if lists and get_origin(t) is list else [t])]
 
 
+def allowed_keys(path: list[Any], node: Any = None) -> list[str]:
+    """The keys the mapping at `path` (keys and list indices) of a spec document may have; [] where any key
+    goes (`backbone.kwargs`). `node`, the mapping itself, picks the router by its `kind`."""
+    keys = _allowed_keys(Spec, path, node)
+    if not keys and isinstance(node, dict):  # a one-or-list field written as its one item (`where: {every: 2}`)
+        keys = _allowed_keys(Spec, [*path, 0], node)
+    return keys
+
+
 def _allowed_keys(model: type[BaseModel], path: list[Any], node: Any = None) -> list[str]:
     """The keys the mapping `node` at `path` of the document may have, found by walking the spec's types;
     among the members of a `kind`-discriminated union, only the one `node` names."""
@@ -478,3 +496,21 @@ def spec_problem(spec: Spec, path: str, message: str) -> Problem:
 def located(spec: Spec, error: SpecError) -> SpecError:
     """`error` with its unlocated problems placed in `spec`'s file (by their field path)."""
     return SpecError([spec_problem(spec, p.path, p.message) if p.file is None else p for p in error.problems])
+
+
+SCHEMA_FILE = Path(__file__).with_name("spec.schema.json")
+"""The committed JSON Schema (`moespec schema` writes it); shipped specs point editors at it."""
+
+
+def json_schema() -> dict[str, Any]:
+    """The JSON Schema (draft 2020-12) of a spec file, generated from the pydantic models. Editors use it to
+    complete and check specs; checks that span fields (top_k <= experts, ...) are only in `load_spec`."""
+    schema = Spec.model_json_schema()
+    return {"$schema": "https://json-schema.org/draft/2020-12/schema", **schema, "title": "moespec spec"}
+
+
+def json_schema_text() -> str:
+    """`json_schema()` as the text of `spec.schema.json`."""
+    import json
+
+    return json.dumps(json_schema(), indent=2, ensure_ascii=False) + "\n"

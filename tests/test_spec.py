@@ -203,7 +203,7 @@ inputsize: [3, 224, 224]
     problem = only_problem(path)
     assert (problem.file, problem.line, problem.path) == (str(path), line_of(text, "inputsize"), "inputsize")
     assert problem.message == (
-        "unknown key 'inputsize'; allowed: name, backbone, input_size, rescale, moe, upcycle; did you mean "
+        "unknown key 'inputsize'; allowed: name, backbone, input_size, rescale, moe, upcycle, aux_loss_in_backward; did you mean "
         "'input_size'?"
     )
 
@@ -216,7 +216,7 @@ colour: red
     path = write(tmp_path, text)
     problem = only_problem(path)
     assert (problem.line, problem.path) == (2, "colour")
-    assert problem.message == "unknown key 'colour'; allowed: name, backbone, input_size, rescale, moe, upcycle"
+    assert problem.message == "unknown key 'colour'; allowed: name, backbone, input_size, rescale, moe, upcycle, aux_loss_in_backward"
     assert "did you mean" not in problem.message
 
 
@@ -495,7 +495,7 @@ def test_to_yaml_round_trips(tmp_path, which):
     # every default is written out, and the file-derived name is kept
     data = yaml.safe_load(text)
     assert data["name"] == spec.name
-    assert set(data) == {"name", "backbone", "input_size", "rescale", "moe", "upcycle"}
+    assert set(data) == {"name", "backbone", "input_size", "rescale", "moe", "upcycle", "aux_loss_in_backward"}
     assert set(data["moe"][0]) == set(GROUP_KEYS.split(", "))
 
 

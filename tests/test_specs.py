@@ -23,7 +23,9 @@ def test_the_required_specs_are_shipped():
 @pytest.mark.parametrize("path", SPECS, ids=[p.stem for p in SPECS])
 def test_shipped_spec_compiles_and_runs(path):
     text = path.read_text()
-    assert text.lstrip().startswith("#"), "each spec opens with a comment naming its published configuration"
+    lines = text.splitlines()
+    assert lines[0].startswith("# yaml-language-server: $schema="), "each spec points editors at the schema"
+    assert lines[1].startswith("# "), "then a comment names the published configuration it encodes"
     spec = moespec.load_spec(path)
     plan = moespec.plan(spec)
     meta = moespec.create_model(spec, device="meta")

@@ -6,6 +6,7 @@
     y = index_add(weight * out)   -> weighted scatter back; an item no expert took gets 0 (its residual
                                      carries it)
     y += shared experts(items)    -> always-active experts, if any
+    AuxLossAutoScaler(y, aux)     -> with aux_loss_in_backward: the aux loss's gradient rides on y's backward
 
 The router decides everything about who goes where (top-k, capacity, BPR, drops, expert choice, image
 level); this layer only moves rows. `SoftMoE` (soft.py) is the one layer with its own dispatch.
@@ -29,14 +30,18 @@ class MoE(nn.Module):
         shared: an `Experts` bank of always-active experts, or None.
         channels_dim: where the features are: -1 for [..., C] inputs, 1 for [B, C, H, W].
         aux_loss_weights: aux-loss kind -> weight, summed by `moespec.aux_loss(model)`.
+        aux_loss_in_backward: attach the weighted aux loss to the output with `AuxLossAutoScaler`, so that its
+            gradient (times `aux_loss_backward_scale`) reaches the router in backward without `moespec.aux_loss`.
     """
 
     def __init__(self, router: nn.Module, experts: Experts, shared: Experts | None = None, *, channels_dim: int = -1,
-                 aux_loss_weights: dict[str, float] | None = None):
+                 aux_loss_weights: dict[str, float] | None = None, aux_loss_in_backward: bool = False):
         super().__init__()
         self.router, self.experts, self.shared = router, experts, shared
         self.channels_dim = channels_dim
         self.aux_loss_weights = dict(aux_loss_weights or {})
+        self.aux_loss_in_backward = aux_loss_in_backward
+        self.aux_loss_backward_scale = 1.0  # e.g. 1 / accumulation steps, or the AMP grad scaler's scale
         self.aux_losses: dict[str, torch.Tensor] = {}
         self.last_routing: Routing | None = None
         self.last_items = self.last_images = 0
@@ -64,6 +69,8 @@ class MoE(nn.Module):
             y = y + self.shared.forward_all(items, groups)
         self.last_routing, self.last_items, self.last_images = routing, items.shape[0], images
         self.aux_losses = {kind: fn(routing) for kind, fn in AUX_LOSSES.items()}
+        if self.aux_loss_in_backward and (loss := self.weighted_aux_loss()) is not None and loss.requires_grad:
+            y = AuxLossAutoScaler.apply(y, loss, self.aux_loss_backward_scale)
         y = y.reshape(*channels_last.shape[:-1], y.shape[-1])
         return y if channels_last is x else y.movedim(-1, self.channels_dim)
 
@@ -106,12 +113,32 @@ class MoE(nn.Module):
         return f"experts={self.num_experts}, top_k={self.top_k}, channels_dim={self.channels_dim}"
 
 
+class AuxLossAutoScaler(torch.autograd.Function):
+    """Identity on a layer's output that also sends a gradient into its aux loss in backward (Megatron-LM's
+    `MoEAuxLossAutoScaler`): backward returns the output's gradient unchanged and `scale` as the gradient of
+    `aux_loss`, exactly as if `scale * aux_loss` had been added to the loss being differentiated."""
+
+    @staticmethod
+    def forward(ctx, output: torch.Tensor, aux_loss: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        ctx.save_for_backward(aux_loss)
+        ctx.scale = scale
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        (aux_loss,) = ctx.saved_tensors
+        return grad_output, torch.full_like(aux_loss, ctx.scale), None
+
+
 def aux_loss(model: nn.Module) -> torch.Tensor:
     """The load-balancing loss of the last forward: sum over MoE layers of weight * loss (0 if none ran).
 
-    Add it to the task loss: `loss = task_loss + moespec.aux_loss(model)`.
+    Add it to the task loss: `loss = task_loss + moespec.aux_loss(model)`. Layers built with
+    `aux_loss_in_backward` already send their loss's gradient in backward; their part is returned detached
+    (for logging), so adding it as well does not count it twice.
     """
-    losses = [loss for m in model.modules() if isinstance(m, MoE) and (loss := m.weighted_aux_loss()) is not None]
+    losses = [loss.detach() if m.aux_loss_in_backward else loss for m in model.modules()
+              if isinstance(m, MoE) and (loss := m.weighted_aux_loss()) is not None]
     if not losses:
         return torch.zeros(())
     return torch.stack(losses).sum()

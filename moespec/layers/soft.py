@@ -40,7 +40,8 @@ class SoftMoE(nn.Module):
         self.scale = nn.Parameter(torch.empty(()))
         self.reset_parameters()
         self.aux_losses: dict[str, torch.Tensor] = {}  # Soft MoE needs no load balancing
-        self.last_dispatch: torch.Tensor | None = None
+        self.last_dispatch: torch.Tensor | None = None  # [B, N, S] of the last forward
+        self.last_combine: torch.Tensor | None = None  # [B, N, S]: how much of each token's output each slot gives
         self.last_items = self.last_images = 0
 
     def reset_parameters(self) -> None:
@@ -76,7 +77,8 @@ class SoftMoE(nn.Module):
         y = torch.einsum("bns,bsc->bnc", combine, slot_outputs)
         if self.shared is not None:
             y = y + self.shared.forward_all(tokens.reshape(-1, dim)).reshape(images, tokens.shape[1], -1)
-        self.last_dispatch, self.last_items, self.last_images = dispatch, images * tokens.shape[1], images
+        self.last_dispatch, self.last_combine = dispatch, combine
+        self.last_items, self.last_images = images * tokens.shape[1], images
         y = y.reshape(*channels_last.shape[:-1], y.shape[-1])
         return y if channels_last is x else y.movedim(-1, self.channels_dim)
 

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moespec.layers import Experts, LinearGate, MoE, Routing, TopKRouter
+from moespec.layers.moe import aux_loss
 from moespec.layers.routers import importance_load_loss, switch_loss, z_loss
 
 
@@ -133,3 +134,39 @@ def test_executed_macs_pad_every_expert_to_capacity():
     # router on every item + 4 experts x 8 rows x (expert 60 + combine 6)
     assert moe.executed_macs(10, 1) == 10 * 24 + 4 * capacity * (60 + 6)
     assert _moe(capacity_factor=None).executed_macs(10, 1) is None
+
+
+def test_aux_loss_autoscaler_adds_the_aux_gradient_in_backward():
+    """AuxLossAutoScaler: identity forward; backward gives the aux loss the gradient `scale`, as if
+    `scale * aux` had been added to the loss."""
+    from moespec.layers.moe import AuxLossAutoScaler
+
+    w = torch.randn(5, requires_grad=True)
+    out = AuxLossAutoScaler.apply(w * 2, w.square().sum(), 0.5)
+    torch.testing.assert_close(out, w.detach() * 2)
+    out.sum().backward()
+    torch.testing.assert_close(w.grad, 2 + 0.5 * 2 * w.detach())
+
+
+@pytest.mark.parametrize("in_backward", [False, True])
+def test_aux_loss_in_backward_equals_adding_it_and_is_not_counted_twice(in_backward):
+    moe = _moe(experts=4, top_k=2).train()
+    moe.aux_loss_in_backward = in_backward
+    moe.aux_loss_weights = {"importance_load": 1.0}
+    x = torch.randn(3, 5, 6)
+
+    def router_grad(add_aux: bool) -> torch.Tensor:
+        moe.zero_grad()
+        loss = moe(x).square().mean()
+        (loss + aux_loss(moe) if add_aux else loss).backward()
+        return moe.router.gate.weight.grad.clone()
+
+    task_only = router_grad(False)
+    with_aux = router_grad(True)
+    if in_backward:  # the autoscaler already sent it; adding aux_loss(model) changes nothing
+        torch.testing.assert_close(task_only, with_aux)
+        moe.aux_loss_in_backward = False
+        torch.testing.assert_close(router_grad(True), with_aux)  # the same as adding it by hand
+        assert not torch.allclose(router_grad(False), with_aux)  # and it is not the task gradient alone
+    else:
+        assert not torch.allclose(task_only, with_aux)

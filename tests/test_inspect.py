@@ -1,0 +1,225 @@
+"""`moespec inspect`: routing by class over a folder of synthetic labelled images, for every router kind."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from typer.testing import CliRunner
+
+import moespec
+from moespec.cli import app
+from moespec.errors import MoespecError
+from moespec.inspection import (class_order, data_transform, find_images, inspect_routing, load_model,
+                                write_report)
+
+SPEC = """\
+# a tiny ViT with one MoE layer of each router kind
+backbone: {model: vit_small_patch16_224, kwargs: {depth: 4, img_size: 64, num_classes: 10}}
+input_size: [3, 64, 64]
+moe:
+  - where: {blocks: [0]}
+    experts: 4
+    top_k: 2
+  - where: {blocks: [1]}
+    experts: 3
+    router: {kind: image}
+  - where: {blocks: [2]}
+    experts: 4
+    router: {kind: soft}
+  - where: {blocks: [3]}
+    experts: 4
+    router: {kind: expert_choice}          # last: it depends on the batch, the others on each image alone
+"""
+COLORS = {"red": (200, 40, 40), "green": (40, 180, 60), "blue": (40, 60, 200)}
+PER_CLASS = 4
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    """A spec file and an ImageFolder of noisy single-colour images, 3 classes x 4 images (of other sizes
+    than the model's, in two formats), plus a file that is not an image and one that is a broken PNG."""
+    root = tmp_path_factory.mktemp("inspect")
+    (root / "spec.yaml").write_text(SPEC)
+    rng = np.random.default_rng(0)
+    for name, colour in COLORS.items():
+        folder = root / "images" / name
+        folder.mkdir(parents=True)
+        for i in range(PER_CLASS):
+            pixels = np.clip(np.array(colour) + rng.normal(0, 30, (40, 48, 3)), 0, 255).astype(np.uint8)
+            Image.fromarray(pixels).save(folder / f"{i}.{'png' if i % 2 else 'jpg'}")
+    (root / "images" / "red" / "notes.txt").write_text("not an image")
+    (root / "images" / "red" / "broken.png").write_bytes(b"not a png")
+    return root
+
+
+@pytest.fixture(scope="module")
+def report(workspace):
+    model = load_model(workspace / "spec.yaml")
+    return inspect_routing(model, find_images(workspace / "images"), batch_size=5, source="spec.yaml"), model
+
+
+def test_the_folder_is_read_as_an_image_folder(workspace):
+    folder = find_images(workspace / "images")
+    assert folder.classes == ("blue", "green", "red")
+    assert [sum(1 for _, c in folder.files if c == i) for i in range(3)] == [4, 4, 5]  # broken.png counts here
+    assert [len([1 for _, c in find_images(workspace / "images", limit=2).files if c == i]) for i in range(3)] == [2] * 3
+
+
+def test_shares_are_consistent_for_every_router_kind(report):
+    result, model = report
+    assert result.classes == ["blue", "green", "red"] and result.images_per_class == [4, 4, 4]
+    assert len(result.skipped) == 1 and "broken.png" in result.skipped[0]
+    assert result.data_config["input_size"] == [3, 64, 64]
+    tokens_per_image = 17  # 16 patches + [CLS]
+    tokens = [n * tokens_per_image for n in result.images_per_class]
+    by_path = {layer.path: layer for layer in result.layers}
+    assert [(layer.router, layer.unit) for layer in result.layers] == [
+        ("topk", "token"), ("image", "image"), ("soft", "token"), ("expert_choice", "token")]
+
+    topk = by_path["blocks.0.mlp"]  # dropless top-2: every token goes to two experts
+    assert topk.items == sum(tokens) and topk.drop_fraction == 0
+    for row in topk.share:
+        assert sum(row) == pytest.approx(2.0)
+    image = by_path["blocks.1.mlp"]  # image routing: whole images, one expert each
+    assert image.items == 12 and image.drop_fraction == 0
+    for row, images in zip(image.share, result.images_per_class, strict=True):
+        assert sum(row) == pytest.approx(1.0)
+        assert [share * images for share in row] == pytest.approx([round(share * images) for share in row])
+    soft = by_path["blocks.2.mlp"]  # Soft MoE: combine weights, a distribution over experts per token
+    for row in soft.share:
+        assert sum(row) == pytest.approx(1.0) and min(row) > 0
+    choice = by_path["blocks.3.mlp"]  # expert choice: each expert takes C = round(T / E) tokens of a batch
+    capacity = model.get_submodule("blocks.3.mlp").router.capacity
+    assert sum(choice.load) == sum(4 * capacity(n * tokens_per_image) for n in (5, 5, 2))  # 5 + 5 + 2 images
+    assert 0 < choice.drop_fraction < 1
+
+    for layer in result.layers:  # the load is the class counts summed, and its shares sum to 1
+        counts = [sum(share * n for share, n in zip(column, tokens, strict=True)) for column in zip(*layer.share, strict=True)]
+        assert layer.load == pytest.approx(counts)
+        assert sum(layer.load_share) == pytest.approx(1.0)
+        assert sorted(layer.class_order) == [0, 1, 2]
+
+
+def test_shares_match_routing_each_image_alone(workspace, report):
+    """Batching must not change the class attribution: route each image alone and count by hand."""
+    result, model = report
+    _, transform = data_transform(model)
+    folder = find_images(workspace / "images")
+    counts = {path: torch.zeros(3, model.get_submodule(path).num_experts, dtype=torch.float64)
+              for path in ("blocks.0.mlp", "blocks.1.mlp", "blocks.2.mlp")}
+    for path, label in folder.files:
+        if path.name == "broken.png":
+            continue
+        with torch.no_grad():
+            model(transform(Image.open(path).convert("RGB")).unsqueeze(0))
+        for name, total in counts.items():
+            layer = model.get_submodule(name)
+            if name == "blocks.2.mlp":
+                total[label] += layer.last_combine[0].reshape(17, 4, 1).sum(dim=(0, 2)).double()
+            else:
+                total[label] += layer.last_routing.counts.double()
+    by_path = {layer.path: layer for layer in result.layers}
+    for name, total in counts.items():
+        expected = total / (17 * torch.tensor([4.0, 4.0, 4.0], dtype=torch.float64)).unsqueeze(1)
+        torch.testing.assert_close(torch.tensor(by_path[name].share, dtype=torch.float64), expected)
+
+
+def test_class_order_groups_classes_by_their_top_expert():
+    share = [[0.1, 0.9, 0.0], [0.8, 0.2, 0.0], [0.0, 0.3, 0.7], [0.6, 0.4, 0.0], [0.2, 0.5, 0.3]]
+    # top experts: 1, 0, 2, 0, 1 -> expert 0: classes 1 (0.8), 3 (0.6); expert 1: 0 (0.9), 4 (0.5); expert 2: 2
+    assert class_order(share) == [1, 3, 0, 4, 2]
+
+
+def test_the_report_folder(workspace, report, tmp_path):
+    result, _ = report
+    output = write_report(result, tmp_path / "report")
+    summary = json.loads((output / "summary.json").read_text())
+    assert summary["classes"] == result.classes and len(summary["layers"]) == 4
+    page = (output / "index.html").read_text()
+    for layer in summary["layers"]:
+        assert layer["share"] == [list(row) for row in next(x.share for x in result.layers if x.path == layer["path"])]
+        for name in layer["figures"].values():
+            assert (output / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"src='{name}'" in page
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["report"]  # no temp folder left behind
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat.S_IMODE(output.stat().st_mode) == 0o777 & ~umask  # not the private mode of a temp folder
+    assert {stat.S_IMODE(p.stat().st_mode) for p in output.iterdir()} == {0o666 & ~umask}
+
+    with pytest.raises(MoespecError, match="already exists and is not empty; pass --force"):
+        write_report(result, output)
+    (output / "stale.txt").write_text("from an older report")
+    write_report(result, output, force=True)
+    assert not (output / "stale.txt").exists() and (output / "index.html").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["report"]
+
+
+def test_a_checkpoint_routes_like_the_model_it_was_saved_from(workspace, report, tmp_path):
+    result, model = report
+    moespec.save(model, tmp_path / "model.safetensors")
+    again = inspect_routing(load_model(tmp_path / "model.safetensors"), find_images(workspace / "images"), batch_size=5)
+    assert [layer.share for layer in again.layers] == [layer.share for layer in result.layers]
+
+
+def _cli(*args):
+    return CliRunner().invoke(app, [str(a) for a in args])
+
+
+@pytest.mark.parametrize("layout,message", [
+    ("missing", "no such folder of images"),
+    ("flat", "no class subfolders; expected one subfolder of images per class"),
+    ("no_images", "no image files in its 2 class subfolder(s)"),
+    ("unreadable", "no readable images (2 file(s) could not be read; first: "),
+])
+def test_bad_image_folders_are_clear_errors(workspace, tmp_path, layout, message):
+    images = tmp_path / "images"
+    if layout != "missing":
+        images.mkdir()
+    if layout == "flat":
+        Image.new("RGB", (8, 8)).save(images / "a.png")
+    for name in ("a", "b") if layout in ("no_images", "unreadable") else ():
+        (images / name).mkdir()
+        (images / name / ("x.png" if layout == "unreadable" else "x.txt")).write_bytes(b"junk")
+    result = _cli("inspect", workspace / "spec.yaml", "--images", images, "-o", tmp_path / "out")
+    assert result.exit_code == 2
+    assert result.stderr.startswith("moespec: error: ") and message in result.stderr, result.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_dense_model_and_a_missing_source_are_clear_errors(workspace, tmp_path):
+    (tmp_path / "dense.yaml").write_text("backbone: {model: vit_small_patch16_224, kwargs: {depth: 1, img_size: 32}}\n")
+    result = _cli("inspect", tmp_path / "dense.yaml", "--images", workspace / "images", "-o", tmp_path / "out")
+    assert result.exit_code == 2 and "has no MoE layers; there is no routing to inspect" in result.stderr
+    result = _cli("inspect", tmp_path / "nope.safetensors", "--images", workspace / "images", "-o", tmp_path / "out")
+    assert result.exit_code == 2 and "nope.safetensors: no such spec or checkpoint" in result.stderr
+
+
+def test_without_matplotlib_inspect_names_the_extra(workspace, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
+    result = _cli("inspect", workspace / "spec.yaml", "--images", workspace / "images", "-o", tmp_path / "out")
+    assert result.exit_code == 2
+    assert result.stderr == ("moespec: error: moespec inspect needs matplotlib, which is not installed; "
+                             "pip install 'moespec[plot]'\n")
+
+
+def test_inspect_command_end_to_end(workspace):
+    argv = [sys.executable, "-m", "moespec.cli", "inspect", "spec.yaml", "--images", "images", "-o", "report",
+            "--limit", "3", "--batch-size", "4"]
+    run = subprocess.run(argv, cwd=workspace, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout == "wrote report/index.html (4 MoE layers, 9 images in 3 classes)\n"
+    assert run.stderr == ""  # --limit 3 leaves broken.png out; piped: no progress bar
+    summary = json.loads((workspace / "report" / "summary.json").read_text())
+    assert summary["images_per_class"] == [3, 3, 3] and summary["source"] == "spec.yaml"
+    again = _cli("inspect", workspace / "spec.yaml", "--images", workspace / "images", "-o", workspace / "report")
+    assert again.exit_code == 2 and again.stdout == ""
+    assert again.stderr == (f"moespec: error: {workspace / 'report'} already exists and is not empty; pass --force "
+                            "to replace it\n")

@@ -1,0 +1,88 @@
+"""Progress bars: drawn on stderr when it is a terminal, never when output is piped or under `--quiet`.
+
+Each command is run as a subprocess, with stderr either piped or attached to a pseudo-terminal; all of them
+start at once (each mostly waits on its torch/timm import).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+pty = pytest.importorskip("pty")
+
+TINY_SPEC = """\
+backbone: {model: vit_small_patch16_224, kwargs: {depth: 2, img_size: 64, num_classes: 10}}
+input_size: [3, 64, 64]
+moe:
+  - where: {every: 1}
+    experts: 4
+    top_k: 2
+"""
+ENV = {**os.environ, "TERM": "xterm", "COLUMNS": "120", "OMP_NUM_THREADS": "1"}
+
+
+def run_piped(args: list[str], cwd) -> tuple[int, str, str]:
+    done = subprocess.run([sys.executable, "-m", "moespec.cli", *args], cwd=cwd, env=ENV, capture_output=True,
+                          text=True, timeout=300)
+    return done.returncode, done.stdout, done.stderr
+
+
+def run_on_terminal(args: list[str], cwd) -> tuple[int, str, str]:
+    """Run with stderr on a pseudo-terminal (as in an interactive shell) and stdout piped."""
+    leader, follower = pty.openpty()
+    process = subprocess.Popen([sys.executable, "-m", "moespec.cli", *args], cwd=cwd, env=ENV,
+                               stdout=subprocess.PIPE, stderr=follower)
+    os.close(follower)
+    terminal = b""
+    while True:
+        try:
+            chunk = os.read(leader, 65536)
+        except OSError:  # the child closed its end
+            break
+        if not chunk:
+            break
+        terminal += chunk
+    stdout = process.communicate(timeout=300)[0]
+    os.close(leader)
+    return process.returncode, stdout.decode(), terminal.decode(errors="replace")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("progress")
+    (root / "a.yaml").write_text(TINY_SPEC)
+    jobs = {
+        "piped": (run_piped, ["stats", "a.yaml"]),
+        "terminal": (run_on_terminal, ["stats", "a.yaml"]),
+        "terminal_quiet": (run_on_terminal, ["--quiet", "stats", "a.yaml"]),
+    }
+    with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
+        futures = {name: pool.submit(fn, args, root) for name, (fn, args) in jobs.items()}
+        return {name: future.result() for name, future in futures.items()}
+
+
+def test_piped_output_has_no_progress_artifacts(runs):
+    code, stdout, stderr = runs["piped"]
+    assert code == 0, stderr
+    assert stderr == ""
+    assert "\r" not in stdout and "\x1b[" not in stdout and "counting" not in stdout
+    assert stdout.count("vit_small_patch16_224") == 1
+
+
+def test_a_terminal_shows_the_progress_bar(runs):
+    code, stdout, terminal = runs["terminal"]
+    assert code == 0, terminal
+    assert "counting" in terminal and "\x1b[" in terminal
+    assert "counting" not in stdout and "\x1b[" not in stdout  # the table stays clean
+
+
+def test_quiet_hides_the_progress_bar_on_a_terminal(runs):
+    code, stdout, terminal = runs["terminal_quiet"]
+    assert code == 0, terminal
+    assert terminal == ""
+    assert stdout.count("vit_small_patch16_224") == 1
