@@ -152,6 +152,7 @@ def atomic_output(path: str | Path, *, force: bool = False) -> Iterator[Path]:
     remove_stale_temp_files(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.{os.getpid()}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
+    os.chmod(tmp, default_mode())  # mkstemp makes it private; the output should get the usual permissions
     try:
         yield Path(tmp)
         with open(tmp, "rb+") as f:
@@ -160,6 +161,13 @@ def atomic_output(path: str | Path, *, force: bool = False) -> Iterator[Path]:
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
+
+
+def default_mode(directory: bool = False) -> int:
+    """The permissions a new file (or folder) gets from the umask; temp files start private (0600 / 0700)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return (0o777 if directory else 0o666) & ~umask
 
 
 def remove_stale_temp_files(path: Path) -> list[Path]:

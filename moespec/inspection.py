@@ -254,7 +254,7 @@ def write_report(report: RoutingReport, output: str | Path, *, force: bool = Fal
     `output` is always either the previous report or the whole new one."""
     output = Path(output)
     check_report_output(output, force)
-    from .plots import default_mode
+    from .checkpoint import default_mode
 
     building = Path(tempfile.mkdtemp(prefix=f".{output.name}.", suffix=".tmp", dir=output.absolute().parent))
     try:

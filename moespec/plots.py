@@ -12,6 +12,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
+from .checkpoint import default_mode
 from .errors import MoespecError
 
 if TYPE_CHECKING:
@@ -43,13 +44,6 @@ def new_figure(width: float, height: float) -> "Figure":
     from matplotlib.figure import Figure
 
     return Figure(figsize=(width, height), layout="constrained")
-
-
-def default_mode(directory: bool = False) -> int:
-    """The permissions a new file (or folder) gets from the umask; temp files start private (0600 / 0700)."""
-    umask = os.umask(0)
-    os.umask(umask)
-    return (0o777 if directory else 0o666) & ~umask
 
 
 def save_figure(figure: "Figure", path: Path, dpi: int = 110) -> Path:

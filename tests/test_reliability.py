@@ -168,3 +168,13 @@ def test_aux_losses_stay_finite_when_every_token_picks_one_expert(kind):
     for layer in model.modules():
         if isinstance(layer, MOE_LAYERS):
             assert all(torch.isfinite(v) for v in layer.aux_losses.values())
+
+
+def test_outputs_get_the_umasks_permissions_not_the_temp_files(tmp_path):
+    umask = os.umask(0o022)
+    try:
+        with atomic_output(tmp_path / "out.safetensors") as tmp:
+            tmp.write_bytes(b"x")
+    finally:
+        os.umask(umask)
+    assert (tmp_path / "out.safetensors").stat().st_mode & 0o777 == 0o644
