@@ -80,6 +80,18 @@ def line_of(text: str, needle: str, nth: int = 0) -> int:
     return lines[nth]
 
 
+TINY_SPEC_YAML = """\
+# a tiny ViT-S/16: two blocks, 64 px, 4 experts top-2 on both
+backbone: {model: vit_small_patch16_224, kwargs: {depth: 2, img_size: 64, num_classes: 10}}
+input_size: [3, 64, 64]
+moe:
+  - where: {every: 1}
+    experts: 4
+    top_k: 2
+"""
+"""The same tiny spec as a file's text, for the CLI tests."""
+
+
 def make_spec(backbone: dict, moe: list[dict], **extra) -> moespec.Spec:
     return moespec.load_spec({"name": "test", "backbone": backbone, "input_size": TINY_INPUT, "moe": moe, **extra})
 

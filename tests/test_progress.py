@@ -13,16 +13,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from .conftest import TINY_SPEC_YAML
+
 pty = pytest.importorskip("pty")
 
-TINY_SPEC = """\
-backbone: {model: vit_small_patch16_224, kwargs: {depth: 2, img_size: 64, num_classes: 10}}
-input_size: [3, 64, 64]
-moe:
-  - where: {every: 1}
-    experts: 4
-    top_k: 2
-"""
 ENV = {**os.environ, "TERM": "xterm", "COLUMNS": "120", "OMP_NUM_THREADS": "1"}
 
 
@@ -55,7 +49,7 @@ def run_on_terminal(args: list[str], cwd) -> tuple[int, str, str]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("progress")
-    (root / "a.yaml").write_text(TINY_SPEC)
+    (root / "a.yaml").write_text(TINY_SPEC_YAML)
     jobs = {
         "piped": (run_piped, ["stats", "a.yaml"]),
         "terminal": (run_on_terminal, ["stats", "a.yaml"]),

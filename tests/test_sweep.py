@@ -17,15 +17,8 @@ from moespec.report import render
 from moespec.stats import SpecStats
 from moespec.sweep import Setting, assign, check_settings, grid, pareto_front, parse_setting, split_values, sweep
 
-TINY_SPEC = """\
-# a tiny ViT-S/16
-backbone: {model: vit_small_patch16_224, kwargs: {depth: 2, img_size: 64, num_classes: 10}}
-input_size: [3, 64, 64]
-moe:
-  - where: {every: 1}
-    experts: 4
-    top_k: 2
-"""
+from .conftest import TINY_SPEC_YAML
+
 
 
 @pytest.mark.parametrize("text,values", [
@@ -109,7 +102,7 @@ def test_pareto_front_keeps_the_most_parameters_for_the_compute():
 @pytest.fixture(scope="module")
 def tiny_spec(tmp_path_factory):
     path = tmp_path_factory.mktemp("sweep") / "tiny.yaml"
-    path.write_text(TINY_SPEC)
+    path.write_text(TINY_SPEC_YAML)
     return path
 
 
