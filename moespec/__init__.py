@@ -1,19 +1,21 @@
 """moespec: declarative Mixture-of-Experts surgery for timm vision models.
 
     spec.yaml -> load_spec -> plan -> create_model (fx rewrite) -> upcycle -> stats / save
+
+One subpackage per stage, in dependency order: `spec`, `backbones`, `planning`, `compiler`, `io`, `weights`,
+`counting`, `apps`; `layers` holds the modules, `routers` one file per router kind.
 """
 
-__version__ = "0.1.0"
-
-from .checkpoint import load, save
-from .compile import create_model, moe_layers
+from . import routers  # noqa: F401  (registers the built-in router kinds before any spec is validated)
+from ._version import __version__
+from .apps.timm_registry import register_timm
+from .compiler import create_model, moe_layers
+from .counting import stats
 from .errors import CheckpointError, MoespecError, SpecError
 from .layers.moe import aux_loss
-from .plan import Plan, plan
+from .planning import Plan, plan
 from .spec import Spec, load_spec
-from .stats import stats
-from .timm_registry import register_timm
-from .upcycle import upcycle, upcycle_to_checkpoint
+from .weights import load, save, upcycle, upcycle_to_checkpoint
 
 __all__ = [
     "CheckpointError", "MoespecError", "Plan", "Spec", "SpecError", "aux_loss", "create_model", "load",

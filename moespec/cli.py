@@ -14,9 +14,17 @@ from typing import Annotated, Callable, List, Optional, Tuple
 
 import typer
 from rich.console import Console
-from rich.table import Table
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from . import create_model, load_spec, plan, save, stats, upcycle_to_checkpoint
+from .apps.inspect_report import check_report_output, write_report
+from .apps.inspection import find_images, inspect_routing, load_model
+from .apps.plots import check_figure_path, require_matplotlib
+from .apps.sweep import parse_setting, plot as draw, sweep
+from .counting import plan_table, render
 from .errors import MoespecError, SpecError
+from .io import DTYPE_NAMES, check_output, parse_size
+from .spec import json_schema_text, spec_files
 
 app = typer.Typer(
     name="moespec",
@@ -65,29 +73,14 @@ def _run(action: Callable[[], int | None]) -> None:
         raise typer.Exit(code)
 
 
-def _spec_files(paths: List[Path]) -> list[Path]:
-    """Spec files named directly, plus every *.yaml / *.yml under named folders (sorted)."""
-    files: list[Path] = []
-    for path in paths:
-        if path.is_dir():
-            found = sorted(p for p in path.rglob("*") if p.suffix in (".yaml", ".yml"))
-            if not found:
-                raise MoespecError(f"{path}: no *.yaml spec files in this folder")
-            files += found
-        else:
-            files.append(path)
-    return files
-
-
 @app.command()
 def validate(specs: List[Path] = typer.Argument(..., help="Spec files or folders of specs.")) -> None:
     """Check specs against the schema and their timm backbones; report every problem."""
 
     def body() -> int:
-        from . import load_spec, plan
 
         failed = 0
-        for file in _spec_files(specs):
+        for file in spec_files(specs):
             try:
                 p = plan(load_spec(file))
             except MoespecError as error:
@@ -96,7 +89,7 @@ def validate(specs: List[Path] = typer.Argument(..., help="Spec files or folders
                 for problem in problems:
                     _error(f"moespec: error: {problem}")
                 continue
-            out.print(f"ok: {file} ({p.spec.backbone.model}, {len(p.layers)} MoE layers)", markup=False)
+            out.print(f"ok: {file} ({p.model}, {len(p.layers)} MoE layers)", markup=False)
         return 2 if failed else 0
 
     _run(body)
@@ -107,16 +100,10 @@ def plan_command(spec: Path = typer.Argument(..., help="Spec file.")) -> None:
     """Show which FFNs become MoE layers, with their widths, experts, k and router."""
 
     def body() -> None:
-        from . import load_spec, plan
 
         p = plan(load_spec(spec))
         out.print(p.summary(), markup=False, soft_wrap=True)
-        table = Table()
-        for i, column in enumerate(p.COLUMNS):
-            table.add_column(column, justify="right" if 2 <= i <= 7 else "left")
-        for row in p.rows():
-            table.add_row(*row)
-        out.print(table)
+        out.print(plan_table(p))
         if not p.layers:
             out.print("no MoE layers: this spec is the dense backbone")
 
@@ -133,54 +120,23 @@ def compile_command(
     """Build the MoE model with random weights and save it (spec embedded)."""
 
     def body() -> None:
-        import torch
 
-        from . import create_model, load_spec, save
-
-        _check_output(output, force)
-        torch.manual_seed(seed)
-        model = create_model(load_spec(spec))
+        check_output(output, force)
+        model = create_model(load_spec(spec), seed=seed)
         save(model, output, force=force)
         out.print(f"wrote {output} ({len(model.moespec_plan.layers)} MoE layers)", markup=False)
 
     _run(body)
 
 
-class DType(str, Enum):
-    fp32 = "fp32"
-    bf16 = "bf16"
-    fp16 = "fp16"
-
-    @property
-    def torch(self):
-        import torch
-
-        return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[self.value]
-
-
-SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20,
-              "GIB": 2**30, "TIB": 2**40}
-
-
-def parse_size(text: str, option: str) -> int:
-    """Bytes from "2GB", "500MB", "1.5GiB" or a plain number of bytes (units as transformers reads them)."""
-    number = text.strip().upper().rstrip("BIKMGT")
-    unit = text.strip().upper()[len(number):]
-    try:
-        size = int(float(number) * SIZE_UNITS[unit])
-    except (KeyError, ValueError):
-        raise MoespecError(f"{option} {text!r}: expected a size such as 2GB, 500MB or 1GiB") from None
-    if size <= 0:
-        raise MoespecError(f"{option} {text!r}: must be positive")
-    return size
+DType = Enum("DType", {name: name for name in ("fp32", "bf16", "fp16")}, type=str)
+"""`--dtype` choices: the names of `io.DTYPE_NAMES`."""
 
 
 @contextlib.contextmanager
 def progress(description: str):
     """A rich progress bar on stderr while the block runs, fed by the `update(item, done, total)` it yields.
     Silent when stderr is not a terminal (piped, redirected) and under `--quiet`."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
     bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[item]}"),
                    TimeElapsedColumn(), console=Console(stderr=True), transient=True,
                    disable=_quiet or not sys.stderr.isatty())
@@ -207,14 +163,13 @@ def upcycle_command(
     """Build the MoE model with experts copied from a dense checkpoint and save it, one layer at a time."""
 
     def body() -> None:
-        from . import load_spec
-        from .upcycle import upcycle_to_checkpoint
 
         limit = parse_size(max_shard_size, "--max-shard-size")
-        _check_output(output, force)
+        check_output(output, force)
         loaded = load_spec(spec)
         with progress("upcycling MoE layers") as advance:
-            files, report = upcycle_to_checkpoint(loaded, output, checkpoint=checkpoint, seed=seed, dtype=dtype.torch,
+            files, report = upcycle_to_checkpoint(loaded, output, checkpoint=checkpoint, seed=seed,
+                                                  dtype=DTYPE_NAMES[dtype.value],
                                                   max_shard_size=limit, force=force, check=check,
                                                   trust_pickle=trust_pickle, on_layer=advance)
         if report is not None:
@@ -247,12 +202,9 @@ def stats_command(
     """
 
     def body() -> int:
-        from . import load_spec
-        from .report import render
-        from .stats import stats
 
         records, failed = [], 0
-        files = _spec_files(specs)
+        files = spec_files(specs)
         with progress("counting") as advance:
             for done, file in enumerate(files):
                 advance(file.name, done, len(files))
@@ -291,13 +243,9 @@ def sweep_command(
     """
 
     def body() -> int:
-        from .report import render
-        from .sweep import parse_setting, plot as draw, sweep
 
         parsed = [parse_setting(text) for text in settings]
         if plot is not None:
-            from .plots import check_figure_path, require_matplotlib
-
             require_matplotlib("moespec sweep --plot")
             check_figure_path(plot, force)
         with progress("sweeping") as advance:
@@ -331,8 +279,6 @@ def inspect_command(
     """Route labelled images through the model and show, per MoE layer, which experts each class uses."""
 
     def body() -> None:
-        from .inspection import check_report_output, find_images, inspect_routing, load_model, write_report
-        from .plots import require_matplotlib
 
         require_matplotlib("moespec inspect")
         check_report_output(output, force)
@@ -356,19 +302,10 @@ def schema_command() -> None:
     """Print the JSON Schema of spec files (what moespec/spec.schema.json holds, for editors)."""
 
     def body() -> None:
-        from .spec import json_schema_text
 
         sys.stdout.write(json_schema_text())
 
     _run(body)
-
-
-def _check_output(output: Path, force: bool) -> None:
-    """Fail before any work if the output cannot be written."""
-    if output.exists() and not force:
-        raise MoespecError(f"{output} already exists; pass --force to overwrite it")
-    if not output.parent.is_dir():
-        raise MoespecError(f"{output.parent}: no such folder for the output")
 
 
 def main() -> None:

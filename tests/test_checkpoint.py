@@ -10,7 +10,7 @@ import torch
 from safetensors import safe_open
 
 import moespec
-from moespec.checkpoint import SPEC_HASH_KEY, SPEC_KEY, VERSION_KEY, read_spec
+from moespec.weights import SPEC_HASH_KEY, SPEC_KEY, VERSION_KEY, read_spec
 from moespec.errors import CheckpointError, MoespecError
 
 from .conftest import TINY_INPUT, TINY_VIT, make_spec
@@ -52,7 +52,7 @@ def test_a_failed_write_leaves_nothing_behind(tmp_path, monkeypatch):
             f.write(b"partial")
         raise OSError("disk full")
 
-    monkeypatch.setattr("moespec.checkpoint.write_safetensors", explode)
+    monkeypatch.setattr("moespec.io.sharding.write_safetensors", explode)
     with pytest.raises(OSError):
         moespec.save(model, tmp_path / "moe.safetensors")
     assert list(tmp_path.iterdir()) == []

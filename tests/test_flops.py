@@ -6,10 +6,10 @@ import pytest
 import torch
 
 import moespec
-from moespec.backbone import create_backbone
-from moespec.compile import compile_model
-from moespec.flops import MATMUL_LIKE, count_macs
-from moespec.plan import plan_for
+from moespec.backbones import create_backbone
+from moespec.compiler import compile_model
+from moespec.counting.flops import MATMUL_LIKE, count_macs
+from moespec.planning import plan_for
 
 from .conftest import SPECS_DIR, TINY_INPUT, TINY_VIT, make_spec
 

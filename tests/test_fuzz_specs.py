@@ -24,7 +24,7 @@ from hypothesis import event, given
 from hypothesis import strategies as st
 
 from moespec import MoespecError, Spec, SpecError, load_spec, plan
-from moespec.spec import ROUTER_SPECS
+from moespec.spec import ROUTER_KINDS
 
 from .conftest import SPECS_DIR
 
@@ -43,7 +43,7 @@ def _schema_keys(node: Any) -> set[str]:
     return set()
 
 
-KEYS = sorted(_schema_keys(Spec.model_json_schema()) | set(ROUTER_SPECS) | {"img_size", "depth", "num_classes"})
+KEYS = sorted(_schema_keys(Spec.model_json_schema()) | set(ROUTER_KINDS) | {"img_size", "depth", "num_classes"})
 
 scalars = st.one_of(
     st.none(), st.booleans(), st.integers(-(2**64), 2**64), st.floats(), st.text(max_size=12),

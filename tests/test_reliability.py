@@ -17,7 +17,8 @@ import pytest
 import torch
 
 import moespec
-from moespec.checkpoint import SPEC_HASH_KEY, SPEC_KEY, atomic_output, read_state_dict
+from moespec.io import atomic_output
+from moespec.weights import SPEC_HASH_KEY, SPEC_KEY, read_state_dict
 from moespec.errors import CheckpointError
 from moespec.layers import MOE_LAYERS
 
@@ -38,7 +39,7 @@ def test_a_killed_write_leaves_no_output_and_the_next_write_removes_its_temp_fil
     target = tmp_path / "model.safetensors"
     writer = textwrap.dedent(f"""
         import sys, time, torch
-        from moespec.checkpoint import TensorInfo, write_sharded
+        from moespec.io import TensorInfo, write_sharded
         infos = [TensorInfo(f"t{{i}}", (1000,), torch.float32) for i in range(5)]
         def tensor(info):
             if info.name == "t2":

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 import moespec
-from moespec.backbone import create_backbone
+from moespec.backbones import create_backbone
 from moespec.layers import MoE
-from moespec.upcycle import upcycle_with_report
+from moespec.weights import upcycle_with_report
 
 from .conftest import SPECS_DIR, line_of, randomize, write
 

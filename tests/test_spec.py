@@ -10,8 +10,10 @@ from pydantic import ValidationError
 
 import moespec
 from moespec import Spec, SpecError, load_spec
-from moespec.selectors import Blocks, Every, StageLast, Stages
-from moespec.spec import AuxLoss, Gate, TopKRouter, Upcycle
+from moespec.spec.selectors import Blocks, Every, StageLast, Stages
+from moespec.routers import Gate
+from moespec.routers.topk import TopKRouterSpec as TopKRouter
+from moespec.spec import AuxLoss, Upcycle
 
 from .conftest import line_of, write
 

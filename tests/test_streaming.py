@@ -11,9 +11,9 @@ import torch
 from safetensors import safe_open
 
 import moespec
-from moespec.checkpoint import read_spec
+from moespec.weights import read_spec
 from moespec.errors import CheckpointError
-from moespec.upcycle import upcycle, upcycle_to_checkpoint
+from moespec.weights import upcycle, upcycle_to_checkpoint
 
 from .conftest import TINY_CONVNEXT, TINY_INPUT, TINY_VIT, make_spec
 
@@ -73,7 +73,7 @@ def test_bf16_output_is_checked_against_equally_rounded_dense_weights(dense_chec
 
 
 def test_per_layer_check_for_models_too_large_to_compare_whole(dense_checkpoint, tmp_path, monkeypatch):
-    monkeypatch.setattr(sys.modules["moespec.upcycle"], "_memory_bytes", lambda: 1000)  # pretend nothing fits
+    monkeypatch.setattr(sys.modules["moespec.weights.streaming"], "_memory_bytes", lambda: 1000)  # pretend nothing fits
     path, _ = dense_checkpoint(TINY_CONVNEXT)
     _, report = upcycle_to_checkpoint(make_spec(TINY_CONVNEXT, CONVNEXT), tmp_path / "m.safetensors", checkpoint=path)
     # experts keep 2/4 of the hidden units, so each layer's output differs from the FFN's: reported, per layer

@@ -13,9 +13,9 @@ from typer.testing import CliRunner
 
 from moespec.cli import app
 from moespec.errors import MoespecError
-from moespec.report import render
-from moespec.stats import SpecStats
-from moespec.sweep import Setting, assign, check_settings, grid, pareto_front, parse_setting, split_values, sweep
+from moespec.counting import render
+from moespec.counting import SpecStats
+from moespec.apps.sweep import Setting, assign, check_settings, grid, pareto_front, parse_setting, split_values, sweep
 
 from .conftest import TINY_SPEC_YAML
 
@@ -165,7 +165,7 @@ def test_sweep_command_prints_the_valid_points_lists_the_invalid_and_plots(tiny_
 
 
 def test_without_matplotlib_plotting_names_the_extra(monkeypatch):
-    from moespec.plots import require_matplotlib
+    from moespec.apps.plots import require_matplotlib
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
     with pytest.raises(MoespecError, match=r"moespec sweep --plot needs matplotlib.*pip install 'moespec\[plot\]'"):

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import moespec
-import moespec.timm_registry
+import moespec.apps.timm_registry
 
 from .conftest import TINY_VIT, make_spec, randomize
 
@@ -65,7 +65,7 @@ def test_pretrained_goes_through_upcycling(monkeypatch):
         seen.append(spec)
         return moespec.create_model(spec)
 
-    monkeypatch.setattr(moespec.timm_registry, "upcycle", fake_upcycle)
+    monkeypatch.setattr(moespec.apps.timm_registry, "upcycle", fake_upcycle)
     name = moespec.register_timm(make_spec(TINY_VIT, MOE), name="moespec_test_pretrained")
     timm.create_model(name, pretrained=True, num_classes=7)
     assert len(seen) == 1 and seen[0].backbone.pretrained and seen[0].backbone.kwargs["num_classes"] == 7

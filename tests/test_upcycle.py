@@ -7,7 +7,7 @@ import torch
 
 import moespec
 from moespec.errors import CheckpointError, SpecError
-from moespec.upcycle import upcycle_with_report
+from moespec.weights import upcycle_with_report
 
 from .conftest import TINY_CONVNEXT, TINY_INPUT, TINY_VIT, line_of, make_spec, write
 

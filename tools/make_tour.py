@@ -25,8 +25,9 @@ from PIL import Image
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from moespec.inspection import find_images, inspect_routing, load_model, write_report  # noqa: E402
-from moespec.sweep import parse_setting, plot, sweep  # noqa: E402
+from moespec.apps.inspect_report import write_report  # noqa: E402
+from moespec.apps.inspection import find_images, inspect_routing, load_model  # noqa: E402
+from moespec.apps.sweep import parse_setting, plot, sweep  # noqa: E402
 
 SWEEP_SPEC = ROOT / "specs" / "vit_s16_moe8_every2_top2.yaml"
 SWEEP_SETTINGS = ["moe.0.experts=4,8,16,32", "moe.0.top_k=1,2"]

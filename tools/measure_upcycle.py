@@ -34,12 +34,12 @@ CASES = {"vit_b16": "specs/vit_b16_moe8_every2_top2.yaml", "vit_h14": VIT_H14}
 def one(spec_path: str, dense: str, out: str, dtype: str, check: str) -> None:
     """In a fresh process: upcycle, then print time, peak RSS and what was written as JSON."""
     import moespec
-    from moespec.upcycle import upcycle_to_checkpoint
-    from moespec.cli import DType
+    from moespec.io import DTYPE_NAMES
+    from moespec.weights import upcycle_to_checkpoint
 
     spec = moespec.load_spec(spec_path)
     start = time.perf_counter()
-    files, report = upcycle_to_checkpoint(spec, out, checkpoint=dense, dtype=DType(dtype).torch, check=check == "check")
+    files, report = upcycle_to_checkpoint(spec, out, checkpoint=dense, dtype=DTYPE_NAMES[dtype], check=check == "check")
     seconds = time.perf_counter() - start
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     print(json.dumps({"seconds": seconds, "peak_rss_gib": rss / 2**30, "files": len(files),
@@ -52,7 +52,7 @@ def save_dense(spec_path: str, dense: str) -> None:
     from safetensors.torch import save_file
 
     import moespec
-    from moespec.backbone import create_backbone
+    from moespec.backbones import create_backbone
 
     model = create_backbone(moespec.load_spec(spec_path))
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, dense)

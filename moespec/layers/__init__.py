@@ -2,12 +2,12 @@
 
 from .experts import Experts, StackedLinear, StackedNorm
 from .moe import MoE
-from .routers import (AUX_LOSSES, ROUTERS, ExpertChoiceRouter, ImageRouter, LinearGate, ProjectedGate, Routing,
-                      TopKRouter)
+from .rescale import Rescale
+from .routers import AUX_LOSSES, ExpertChoiceRouter, ImageRouter, LinearGate, ProjectedGate, Routing, TopKRouter
 from .soft import SoftMoE
 
 MOE_LAYERS = (MoE, SoftMoE)
 """Every layer class moespec puts where a dense FFN was."""
 
 __all__ = ["AUX_LOSSES", "ExpertChoiceRouter", "Experts", "ImageRouter", "LinearGate", "MOE_LAYERS", "MoE",
-           "ProjectedGate", "ROUTERS", "Routing", "SoftMoE", "StackedLinear", "StackedNorm", "TopKRouter"]
+           "ProjectedGate", "Rescale", "Routing", "SoftMoE", "StackedLinear", "StackedNorm", "TopKRouter"]

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-GateOrder = Literal["act_first", "act_last"]  # act(a) * b (SwiGLU)  |  a * act(b) (timm GluMlp default)
+GluOrder = Literal["act_first", "act_last"]  # act(a) * b (SwiGLU)  |  a * act(b) (timm GluMlp default)
 InnerNorm = Literal["none", "layernorm", "layernorm_before_act", "grn"]
 Dispatch = Literal["auto", "loop", "padded", "grouped_mm"]
 PADDED_MAX_ROWS = 4096  # CPU: below this many routed rows, one padded bmm beats E small matmuls
@@ -69,7 +69,7 @@ class Experts(nn.Module):
         experts: number of experts E.
         in_features / hidden / out_features: C -> H -> C' widths of one expert (H after gating).
         act: the FFN's activation module (shared; activations hold no parameters).
-        gate: None for a plain FFN, else which half of fc1's 2H outputs goes through `act`.
+        glu: None for a plain FFN, else which half of fc1's 2H outputs goes through `act` (the GLU order).
         inner_norm: the FFN's norm between fc1 and fc2, if any ("grn": ConvNeXt-V2's global response
             norm, computed per image over the items of that image routed to the expert).
         bias: whether fc1 / fc2 have biases.
@@ -84,7 +84,7 @@ class Experts(nn.Module):
         out_features: int,
         *,
         act: nn.Module,
-        gate: GateOrder | None = None,
+        glu: GluOrder | None = None,
         inner_norm: InnerNorm = "none",
         norm_eps: float = 1e-6,
         bias: tuple[bool, bool] = (True, True),
@@ -92,8 +92,8 @@ class Experts(nn.Module):
     ):
         super().__init__()
         self.num_experts, self.hidden = experts, hidden
-        self.gate, self.inner_norm, self.drop = gate, inner_norm, drop
-        self.fc1 = StackedLinear(experts, in_features, hidden * (2 if gate else 1), bias=bias[0])
+        self.glu, self.inner_norm, self.drop = glu, inner_norm, drop
+        self.fc1 = StackedLinear(experts, in_features, hidden * (2 if glu else 1), bias=bias[0])
         self.act = act
         self.norm = StackedNorm(experts, hidden, norm_eps) if inner_norm != "none" else None
         self.fc2 = StackedLinear(experts, hidden, out_features, bias=bias[1])
@@ -225,9 +225,9 @@ class Experts(nn.Module):
         w1, b1, norm_w, norm_b, w2, b2 = params
         linear = linear or _linear
         h = linear(x, w1, b1)
-        if self.gate is not None:
+        if self.glu is not None:
             a, b = h.chunk(2, dim=-1)
-            h = self.act(a) * b if self.gate == "act_first" else a * self.act(b)
+            h = self.act(a) * b if self.glu == "act_first" else a * self.act(b)
         elif self.inner_norm == "layernorm_before_act":
             h = self.act(_layer_norm(h, norm_w, norm_b, self.norm.eps))
         else:

@@ -25,7 +25,7 @@ class MoE(nn.Module):
     """Sparse mixture of experts over the items of a token sequence or feature map.
 
     Args:
-        router: a router module (see `routers.ROUTERS`), called as router(items [T, C], images) -> Routing.
+        router: a router module (`routers.py`), called as router(items [T, C], images) -> Routing.
         experts: the routed `Experts` bank.
         shared: an `Experts` bank of always-active experts, or None.
         channels_dim: where the features are: -1 for [..., C] inputs, 1 for [B, C, H, W].
@@ -73,6 +73,10 @@ class MoE(nn.Module):
             y = AuxLossAutoScaler.apply(y, loss, self.aux_loss_backward_scale)
         y = y.reshape(*channels_last.shape[:-1], y.shape[-1])
         return y if channels_last is x else y.movedim(-1, self.channels_dim)
+
+    def router_weights(self) -> list[nn.Parameter]:
+        """The weights that decide the routing (the gate's), which upcycling initializes afresh."""
+        return list(self.router.parameters())
 
     def routing_stats(self) -> dict[str, object] | None:
         """Routing of the last forward: items per expert, share of items no expert took, mean top-1 gate."""

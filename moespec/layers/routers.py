@@ -2,11 +2,11 @@
 
 Every router returns the same thing: (item, expert) pairs already sorted by expert, so the MoE layer runs
 each expert on one contiguous segment and scatters the weighted outputs back. Routers are plain modules
-that take numbers, never specs; `build.py` translates a spec's `router:` through `ROUTERS`.
+that take numbers, never specs; each router kind of `moespec/routers/` builds its module.
 
     topk           token choice: each item picks k experts; optional noise, capacity, BPR, importance drop
     image          one decision per image (from its [CLS] or mean token), shared by all its tokens
-    expert_choice  each expert picks its top C = c * T / E items
+    expert choice  each expert picks its top C = c * T / E items
 (Soft MoE has no discrete routing; it is its own layer in `soft.py`.)
 """
 
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -267,16 +268,28 @@ class ExpertChoiceRouter(nn.Module):
                        counts.float(), kept)
 
 
-ROUTERS: dict[str, type[nn.Module]] = {"topk": TopKRouter, "image": ImageRouter, "expert_choice": ExpertChoiceRouter}
-"""Router kind (the spec's `router.kind`) -> module class. `soft` is the SoftMoE layer itself."""
+AUX_LOSSES: dict[str, Callable[[Routing], torch.Tensor]] = {}
+"""Aux-loss kind (the spec's `aux_loss.kind`) -> function of a Routing."""
 
 
+def register_aux_loss(kind: str) -> Callable[[Callable[[Routing], torch.Tensor]], Callable[[Routing], torch.Tensor]]:
+    """Register the decorated function of a Routing as the aux loss `kind`."""
+
+    def wrap(loss: Callable[[Routing], torch.Tensor]) -> Callable[[Routing], torch.Tensor]:
+        AUX_LOSSES[kind] = loss
+        return loss
+
+    return wrap
+
+
+@register_aux_loss("importance_load")
 def importance_load_loss(routing: Routing) -> torch.Tensor:
     """Shazeer et al. 2017: (CV(importance)^2 + CV(load)^2) / 2, with Importance_i = sum_x p_i(x) and
     Load_i = sum_x P(i in top-k of x) (a count without router noise: only importance carries gradient)."""
     return (_cv_squared(routing.probs.sum(dim=0)) + _cv_squared(routing.load)) / 2
 
 
+@register_aux_loss("switch")
 def switch_loss(routing: Routing) -> torch.Tensor:
     """Fedus et al. 2021: E * sum_i f_i * P_i, f_i = share of units whose top-1 is i, P_i = mean prob of i."""
     experts = routing.num_experts
@@ -284,6 +297,7 @@ def switch_loss(routing: Routing) -> torch.Tensor:
     return experts * (top1.mean(dim=0) * routing.probs.mean(dim=0)).sum()
 
 
+@register_aux_loss("z_loss")
 def z_loss(routing: Routing) -> torch.Tensor:
     """ST-MoE router z-loss (Zoph et al. 2022): mean over units of logsumexp(logits)^2."""
     return torch.logsumexp(routing.logits, dim=-1).square().mean()
@@ -295,6 +309,3 @@ def _cv_squared(x: torch.Tensor) -> torch.Tensor:
         return x.new_zeros(())
     return x.var(unbiased=False) / (x.mean() ** 2 + 1e-10)
 
-
-AUX_LOSSES = {"importance_load": importance_load_loss, "switch": switch_loss, "z_loss": z_loss}
-"""Aux-loss kind (the spec's `aux_loss.kind`) -> function of a Routing."""

@@ -87,6 +87,10 @@ class SoftMoE(nn.Module):
         logits = torch.einsum("bnc,cs->bns", F.normalize(tokens, dim=-1), self.scale * F.normalize(self.phi, dim=0))
         return logits.softmax(dim=1), logits.softmax(dim=2)
 
+    def router_weights(self) -> list[nn.Parameter]:
+        """The weights that decide the routing, which upcycling initializes afresh: phi (the scale stays 1)."""
+        return [self.phi]
+
     def routing_stats(self) -> dict[str, object] | None:
         """Slots per expert (every token reaches every slot), no drops, and the mean largest dispatch weight."""
         if self.last_dispatch is None:

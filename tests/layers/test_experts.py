@@ -12,8 +12,8 @@ from moespec.layers import Experts
 STRUCTURES = {
     "plain": dict(),
     "no_bias": dict(bias=(False, False)),
-    "swiglu": dict(gate="act_first", act=nn.SiLU()),
-    "glu": dict(gate="act_last", act=nn.Sigmoid()),
+    "swiglu": dict(glu="act_first", act=nn.SiLU()),
+    "glu": dict(glu="act_last", act=nn.Sigmoid()),
     "layernorm": dict(inner_norm="layernorm"),
     "layernorm_before_act": dict(inner_norm="layernorm_before_act"),
 }

@@ -1,0 +1,220 @@
+"""What the experts do: route a folder of labelled images through a model and tabulate, per MoE layer, the
+share of each class's tokens (or images) that goes to each expert (as in ViMoE's routing heatmaps).
+
+    find_images(DIR)              ImageFolder layout: DIR/CLASS/IMAGE, one subfolder per class
+    load_model(spec | checkpoint) a spec is built with a random init, a checkpoint with its weights
+    inspect_routing(model, ...)   eval mode, the model's timm data config; reads each layer's last routing
+    write_report(report, out)     summary.json, a heatmap and a load chart per layer, index.html (`inspect_report.py`)
+
+The numbers, per layer and class c (rows of `share`, one column per expert e):
+(mass of class c at expert e) / (tokens of class c), where the mass is what the router kind's `inspect.tally`
+counts for each image:
+- token routers (top-k, expert choice): (item, expert) pairs. A token goes to k experts, so a row sums to k,
+  less what capacity drops (expert choice: c on average);
+- image routing: the same pairs; every token of an image goes where the image goes, so the share is
+  (images of c sent to e) / (images of c) and a row sums to k;
+- Soft MoE: the combine weight mass of e's slots: how much of the class's token outputs comes from e; a row
+  sums to 1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+from PIL import Image, UnidentifiedImageError
+from timm.data import create_transform, resolve_data_config
+from torch import nn
+
+from ..compiler import create_model, moe_layers
+from ..errors import MoespecError
+from ..spec import load_spec
+from ..spec.registry import router_kind
+from ..spec.loading import SPEC_SUFFIXES
+from ..weights import load
+
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm", ".pgm")
+
+
+@dataclass(frozen=True)
+class ImageFolder:
+    """Labelled image files: `files[i] = (path, class index)`, classes sorted by name."""
+
+    root: Path
+    classes: tuple[str, ...]
+    files: tuple[tuple[Path, int], ...]
+    empty_classes: tuple[str, ...] = ()  # subfolders without image files, left out of `classes`
+
+
+def find_images(root: str | Path, limit: int | None = None) -> ImageFolder:
+    """The images of an ImageFolder layout (DIR/CLASS/IMAGE), at most `limit` per class (first by name)."""
+    root = Path(root)
+    if not root.is_dir():
+        raise MoespecError(f"{root}: no such folder of images" + (" (it is a file)" if root.exists() else ""))
+    folders = sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+    if not folders:
+        raise MoespecError(f"{root}: no class subfolders; expected one subfolder of images per class "
+                           f"({root}/CLASS/IMAGE, as torchvision's ImageFolder)")
+    classes, files, empty = [], [], []
+    for folder in folders:
+        images = sorted(p for p in folder.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file())
+        if not images:
+            empty.append(folder.name)
+            continue
+        files += [(path, len(classes)) for path in images[:limit]]
+        classes.append(folder.name)
+    if not classes:
+        raise MoespecError(f"{root}: no image files in its {len(folders)} class subfolder(s); image files end in "
+                           f"{', '.join(IMAGE_SUFFIXES)}")
+    return ImageFolder(root, tuple(classes), tuple(files), tuple(empty))
+
+
+def load_model(source: str | Path, *, seed: int = 0) -> nn.Module:
+    """A spec file (built with timm's random init, seeded) or a moespec checkpoint (.safetensors, a sharded
+    index, or its folder), in eval mode."""
+    source = Path(source)
+    if not source.exists():
+        raise MoespecError(f"{source}: no such spec or checkpoint")
+    if source.suffix in SPEC_SUFFIXES:
+        model = create_model(load_spec(source), seed=seed)
+    else:
+        model = load(source)
+    if not moe_layers(model):
+        raise MoespecError(f"{source}: the model has no MoE layers; there is no routing to inspect")
+    return model.eval()
+
+
+def data_transform(model: nn.Module):
+    """timm's eval transform for `model` (its pretrained_cfg: resize, crop, mean, std) at the spec's input
+    size; returns (data config, transform)."""
+    config = resolve_data_config({"input_size": tuple(model.moespec_plan.input_size)}, model=model)
+    return config, create_transform(**config)
+
+
+@dataclass(frozen=True)
+class LayerRouting:
+    """The routing of one MoE layer over the folder. `share[c][e]`: see the module docstring; `load[e]`:
+    (item, expert) assignments expert e took over the whole folder (Soft MoE: its combine weight mass)."""
+
+    path: str
+    router: str  # the router kind
+    unit: str  # what a row counts: "token" or "image"
+    experts: int
+    top_k: int
+    share: list[list[float]]  # [class][expert]
+    class_order: list[int]  # the heatmap's row order: by each class's top expert, then by its share there
+    load: list[float]
+    load_share: list[float]
+    drop_fraction: float  # items that no expert took
+    items: int  # items routed (tokens, or images for image routing)
+
+
+@dataclass(frozen=True)
+class RoutingReport:
+    """The routing of every MoE layer of a model over an ImageFolder."""
+
+    source: str
+    model: str
+    input_size: tuple[int, int, int]
+    data_config: dict[str, Any]
+    classes: list[str]
+    images_per_class: list[int]
+    layers: list[LayerRouting]
+    skipped: list[str] = field(default_factory=list)  # unreadable files, "path: reason"
+    empty_classes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class _Tally:
+    """Per-class counts of one layer, summed over batches."""
+
+    def __init__(self, classes: int, experts: int):
+        self.assigned = torch.zeros(classes, experts, dtype=torch.float64)  # (token, expert) pairs / mass
+        self.tokens = torch.zeros(classes, dtype=torch.float64)
+        self.images = 0
+        self.dropped = 0.0  # tokens no expert took
+
+    def add(self, layer: nn.Module, labels: torch.Tensor, tally: Callable) -> None:
+        """Count the last forward of `layer` on images of classes `labels` [B], as its router kind's `tally`."""
+        per_image = layer.last_items // layer.last_images  # items per image
+        mass, dropped = tally(layer)  # [B, E], items no expert took
+        self.assigned.index_add_(0, labels, mass)
+        self.dropped += dropped
+        self.tokens.index_add_(0, labels, torch.full(labels.shape, float(per_image), dtype=torch.float64))
+        self.images += len(labels)
+
+    def result(self, path: str, layer: nn.Module, router: str) -> LayerRouting:
+        """Shares per class; for image routing, token pairs / tokens is the share of images (all the tokens
+        of an image go where the image goes)."""
+        share = self.assigned / self.tokens.clamp(min=1).unsqueeze(1)
+        load = self.assigned.sum(dim=0)
+        unit = router_kind(router).inspect.unit
+        return LayerRouting(
+            path=path, router=router, unit=unit, experts=layer.num_experts, top_k=layer.top_k,
+            share=share.tolist(), class_order=class_order(share.tolist()), load=load.tolist(),
+            load_share=(load / load.sum().clamp(min=1e-12)).tolist(),
+            drop_fraction=self.dropped / float(self.tokens.sum()),
+            items=self.images if unit == "image" else int(self.tokens.sum()),
+        )
+
+
+def class_order(share: Sequence[Sequence[float]]) -> list[int]:
+    """Row order that shows structure (ViMoE's figure): classes grouped by the expert that takes most of
+    them, the groups in expert order, and within a group the classes that go there most first."""
+    top = [max(range(len(row)), key=lambda e: (row[e], -e)) for row in share]
+    return sorted(range(len(share)), key=lambda c: (top[c], -share[c][top[c]], c))
+
+
+def inspect_routing(model: nn.Module, folder: ImageFolder, *, batch_size: int = 32, source: str = "",
+                    on_batch: Callable[[str, int, int], None] | None = None) -> RoutingReport:
+    """Route every image of `folder` through `model` (eval mode, no gradients) and tabulate each MoE layer's
+    routing by class. Unreadable files are skipped and listed; none readable is an error."""
+    config, transform = data_transform(model)
+    layers = moe_layers(model)
+    plan = model.moespec_plan
+    kinds = {path: plan.layer(path).kind for path in layers}
+    tallies = {path: _Tally(len(folder.classes), layer.num_experts) for path, layer in layers.items()}
+    images_per_class, skipped = [0] * len(folder.classes), []
+    batches = [folder.files[i:i + batch_size] for i in range(0, len(folder.files), batch_size)]
+    model.eval()
+    for done, batch in enumerate(batches):
+        if on_batch is not None:
+            on_batch(batch[0][0].parent.name, done, len(batches))
+        tensors, labels = _read(batch, transform, config["input_size"][0], skipped)
+        if not tensors:
+            continue
+        with torch.no_grad():
+            model(torch.stack(tensors))
+        for path, layer in layers.items():
+            tallies[path].add(layer, torch.tensor(labels), kinds[path].inspect.tally)
+        for label in labels:
+            images_per_class[label] += 1
+    if on_batch is not None:
+        on_batch("", len(batches), len(batches))
+    if not any(images_per_class):
+        first = f"; first: {skipped[0]}" if skipped else ""
+        raise MoespecError(f"{folder.root}: no readable images ({len(skipped)} file(s) could not be read{first})")
+    return RoutingReport(
+        source=source, model=plan.name, input_size=tuple(plan.input_size),
+        data_config={k: list(v) if isinstance(v, tuple) else v for k, v in config.items()},
+        classes=list(folder.classes), images_per_class=images_per_class,
+        layers=[tallies[path].result(path, layer, plan.layer(path).router["kind"]) for path, layer in layers.items()],
+        skipped=skipped, empty_classes=list(folder.empty_classes))
+
+
+def _read(batch, transform, channels: int, skipped: list[str]) -> tuple[list[torch.Tensor], list[int]]:
+    """Load and transform the readable images of a batch; note the others in `skipped`."""
+    tensors, labels = [], []
+    for path, label in batch:
+        try:
+            with Image.open(path) as image:
+                tensors.append(transform(image.convert("RGB" if channels == 3 else "L")))
+        except (UnidentifiedImageError, OSError, ValueError) as error:
+            skipped.append(f"{path}: {str(error).splitlines()[0] if str(error) else type(error).__name__}")
+            continue
+        labels.append(label)
+    return tensors, labels

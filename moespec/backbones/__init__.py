@@ -1,0 +1,14 @@
+"""Stage 2, backbones: everything that knows timm. Creating the dense model, discovering its blocks and
+stages, reading and rebuilding its FFN families (adapters) and its residual blocks (rebuilders).
+
+    create.py     create_backbone            discovery.py  find_blocks -> spec.BlockLayout
+    adapters.py   one adapter per FFN family rebuilders.py  blocks rebuilt at a rescaled shape (Sparse-MLP)
+"""
+
+from .adapters import ADAPTERS, Adapter, FFNShape, adapter_named, find_adapter, register_adapter
+from .create import create_backbone
+from .discovery import find_blocks
+from .rebuilders import BLOCK_REBUILDERS, BlockRebuilder, find_rebuilder, register_rebuilder
+
+__all__ = ["ADAPTERS", "Adapter", "BLOCK_REBUILDERS", "BlockRebuilder", "FFNShape", "adapter_named", "create_backbone",
+           "find_adapter", "find_blocks", "find_rebuilder", "register_adapter", "register_rebuilder"]

@@ -1,0 +1,95 @@
+"""The dense timm backbone of a spec: `timm.create_model` with the spec's kwargs, and errors that say which
+kwarg timm refused and what the model takes."""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import re
+import sys
+from typing import Iterator
+
+import timm
+import timm.models
+import torch
+from torch import nn
+
+from ..errors import Problem, SpecError, did_you_mean
+from ..spec import Backbone, Spec, located
+
+
+def create_backbone(spec: Spec, *, device: str | torch.device = "cpu", pretrained: bool = False) -> nn.Module:
+    """`timm.create_model` for the spec's backbone; `device="meta"` builds it without allocating weights.
+
+    Errors name the spec file and line of `backbone.model` / `backbone.kwargs`.
+    """
+    try:
+        return _create(spec.backbone, device, pretrained)
+    except SpecError as error:
+        raise located(spec, error) from None
+
+
+def _create(backbone: Backbone, device: str | torch.device, pretrained: bool) -> nn.Module:
+    if not timm.is_model(backbone.model):
+        matches = timm.list_models(f"*{backbone.model.split('_')[0]}*")[:8] if backbone.model else []
+        hint = did_you_mean(backbone.model, timm.list_models()) or (
+            f"; timm models like it: {', '.join(matches)}" if matches else "; timm.list_models() lists them")
+        raise SpecError(Problem(f"unknown timm model {backbone.model!r}{hint}", path="backbone.model"))
+    context = torch.device(device) if str(device) == "meta" else contextlib.nullcontext()
+    kwargs, overrides = dict(backbone.kwargs), {}
+    while True:
+        try:
+            with context, _override_builder_kwargs(backbone.model, overrides):
+                return timm.create_model(backbone.model, pretrained=pretrained, **kwargs).eval()
+        except TypeError as err:
+            fixed = re.search(r"got multiple values for keyword argument '(\w+)'", str(err))
+            if fixed is None or fixed.group(1) not in kwargs:
+                raise SpecError(Problem(f"timm rejected the kwargs for {backbone.model!r}: {_one_line(err)}"
+                                        + _argument_hint(backbone.model, str(err)), path="backbone.kwargs")) from None
+            overrides[fixed.group(1)] = kwargs.pop(fixed.group(1))
+        except Exception as err:  # timm's own checks of the values, e.g. "dim should be divisible by num_heads"
+            if not backbone.kwargs:
+                raise
+            raise SpecError(Problem(f"timm could not build {backbone.model!r} with these kwargs: "
+                                    f"{type(err).__name__}: {_one_line(err)}", path="backbone.kwargs")) from None
+
+
+def _one_line(error: Exception) -> str:
+    """An exception's message on one line (a kwarg's name may hold a newline; the CLI prints a line per problem)."""
+    return " ".join(str(error).split())
+
+
+def _argument_hint(name: str, error: str) -> str:
+    """For `X.__init__() got an unexpected keyword argument 'a'`: the arguments timm's class X takes."""
+    found = re.search(r"(\w+)\.__init__\(\) got an unexpected keyword argument '(\w+)'", error)
+    module = sys.modules[timm.models.model_entrypoint(name).__module__]
+    model_class = getattr(module, found.group(1), None) if found else None
+    if not isinstance(model_class, type):
+        return ""
+    parameters = inspect.signature(model_class.__init__).parameters.values()
+    names = [p.name for p in parameters if p.name != "self" and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    return did_you_mean(found.group(2), names) or f"; {found.group(1)} takes: {', '.join(names)}"
+
+
+@contextlib.contextmanager
+def _override_builder_kwargs(name: str, overrides: dict) -> Iterator[None]:
+    """Let kwargs override what a timm entry point hard-codes (e.g. `num_blocks` of `mixer_b16_224`).
+
+    timm entry points build `dict(num_blocks=12, ..., **kwargs)`, so passing `num_blocks` again fails. Every
+    timm family then calls `build_model_with_cfg(model_cls, variant, pretrained, **model_args)` from its own
+    module; for the length of one `create_model` we wrap that name to apply the overrides.
+    """
+    if not overrides:
+        yield
+        return
+    module = sys.modules[timm.models.model_entrypoint(name).__module__]
+    original = module.build_model_with_cfg
+
+    def build(model_cls, variant, pretrained, **model_args):
+        return original(model_cls, variant, pretrained, **{**model_args, **overrides})
+
+    module.build_model_with_cfg = build
+    try:
+        yield
+    finally:
+        module.build_model_with_cfg = original

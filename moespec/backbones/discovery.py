@@ -1,0 +1,49 @@
+"""Finding the residual blocks and stages of a timm model from its module tree.
+
+Discovery is generic, not a table per model name: an FFN is any module an adapter in `adapters.py`
+recognizes; its block is its deepest ancestor that is an element of an `nn.Sequential` / `nn.ModuleList`;
+blocks that sit in the same container form a stage. ViT gets one stage of `blocks.i`; ConvNeXt gets four
+stages of `stages.s.blocks.b`.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from ..errors import Problem, SpecError
+from ..spec import Block, BlockLayout
+from .adapters import ADAPTERS, find_adapter
+
+
+def find_blocks(model: nn.Module) -> BlockLayout:
+    """Discover the residual blocks and stages of `model` (see the module docstring)."""
+    containers = {name for name, m in model.named_modules() if isinstance(m, (nn.Sequential, nn.ModuleList))}
+    block_sublayers: dict[str, list[str]] = {}
+    block_stage: dict[str, str] = {}
+    for name, module in model.named_modules():
+        if not name or find_adapter(module) is None:
+            continue
+        parts = name.split(".")
+        for cut in range(len(parts) - 1, 0, -1):  # deepest proper ancestor first
+            parent = ".".join(parts[: cut - 1])
+            if parent in containers or (cut == 1 and "" in containers):
+                block = ".".join(parts[:cut])
+                block_sublayers.setdefault(block, []).append(".".join(parts[cut:]))
+                block_stage[block] = parent
+                break
+    if not block_sublayers:
+        raise SpecError(
+            Problem(
+                "found no residual blocks with a known FFN in this model; supported FFN families: "
+                + ", ".join(cls.__name__ for cls in ADAPTERS),
+                path="backbone.model",
+            )
+        )
+    stage_names: list[str] = []
+    blocks = []
+    for index, (path, sublayers) in enumerate(block_sublayers.items()):
+        if block_stage[path] not in stage_names:
+            stage_names.append(block_stage[path])
+        blocks.append(Block(index, path, stage_names.index(block_stage[path]), tuple(sublayers)))
+    stages = tuple(tuple(b.index for b in blocks if b.stage == s) for s in range(len(stage_names)))
+    return BlockLayout(tuple(blocks), stages)

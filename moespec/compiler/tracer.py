@@ -1,0 +1,52 @@
+"""Tracing a timm model with torch.fx, through the ancestors of the call sites to replace only.
+
+Tracing only through the FFNs' ancestors keeps every other module a leaf that runs its own eager forward,
+so `train()` / `eval()` behaviour (dropout, drop-path, attention dropout) is never frozen into the graph.
+timm's notrace modules and functions are leaves too, and the MoE layer is a leaf: routing is never traced.
+"""
+
+from __future__ import annotations
+
+from timm.layers import get_notrace_functions, get_notrace_modules
+from torch import fx, nn
+
+from ..errors import MoespecError
+
+# Attributes of timm models that training scripts and data configs read; copied onto the GraphModule.
+TIMM_ATTRIBUTES = ("pretrained_cfg", "default_cfg", "num_classes", "num_features", "head_hidden_size",
+                   "embed_dim", "num_prefix_tokens", "global_pool", "feature_info")
+
+
+class CompileError(MoespecError):
+    """A graph pass could not apply the plan to the traced model."""
+
+
+class MoETracer(fx.Tracer):
+    """Traces through the ancestors of `targets`; every other module (and each target) is a leaf."""
+
+    def __init__(self, targets: set[str]):
+        super().__init__(autowrap_functions=tuple(f for f in get_notrace_functions() if callable(f)))
+        self.targets = targets
+        self.ancestors = {".".join(t.split(".")[:i]) for t in targets for i in range(1, len(t.split(".")))}
+        self.notrace = tuple(get_notrace_modules())
+
+    def is_leaf_module(self, module: nn.Module, qualified_name: str) -> bool:
+        if qualified_name in self.targets or isinstance(module, self.notrace):
+            return True
+        return qualified_name not in self.ancestors
+
+
+def trace(model: nn.Module, targets: set[str]) -> fx.GraphModule:
+    """Symbolically trace `model` with the FFNs at `targets` as leaf call sites."""
+    tracer = MoETracer(targets)
+    try:
+        graph = tracer.trace(model)
+    except Exception as err:  # fx raises plain TraceError / TypeError with little context
+        raise CompileError(f"torch.fx could not trace {type(model).__name__}: {err}") from err
+    gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
+    for name in TIMM_ATTRIBUTES:
+        if hasattr(model, name):
+            setattr(gm, name, getattr(model, name))
+    return gm
+
+

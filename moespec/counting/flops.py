@@ -1,0 +1,119 @@
+"""FLOP counting with fvcore, in fvcore's convention: one fused multiply-add = one flop (we say MACs).
+
+fvcore's default handles count linear / conv / matmul / einsum / norms; `FLOP_HANDLES` layers the ops it
+misses on top, in one table. MoE layers are not traced: during counting each one is swapped for a
+shape-only stand-in that records how many items it would route, and is costed analytically by
+the layer's `activated_macs(items, images)` (gate, routed rows through their experts plus the weighted
+combine, shared experts; Soft MoE: logits, dispatch, combine and slot FFNs), so the figure is the activated
+cost under perfect balance and never depends on one input's random routing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import types
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import nn
+
+with warnings.catch_warnings():  # fvcore scripts a focal loss at import; torch warns that jit is deprecated
+    warnings.simplefilter("ignore", FutureWarning)
+    from fvcore.nn import FlopCountAnalysis
+    from fvcore.nn.jit_handles import get_shape
+
+from ..layers import MOE_LAYERS
+
+
+FLOP_HANDLES: dict[str, Callable[[list[Any], list[Any]], int]] = {}
+"""Op handles added to fvcore's defaults (op name -> fn(inputs, outputs) -> MACs)."""
+
+
+def register_flop_handle(op: str) -> Callable[[Callable], Callable]:
+    """Register the decorated `fn(inputs, outputs) -> MACs` as the counter of the TorchScript op `op`."""
+
+    def wrap(handle: Callable) -> Callable:
+        FLOP_HANDLES[op] = handle
+        return handle
+
+    return wrap
+
+
+@register_flop_handle("aten::scaled_dot_product_attention")
+def scaled_dot_product_attention_flop(inputs: list[Any], outputs: list[Any]) -> int:
+    """QK^T and AV of `F.scaled_dot_product_attention`: B*H*N*M*Dk + B*H*N*M*Dv MACs.
+
+    q: [..., N, Dk], k: [..., M, Dk], v: [..., M, Dv]; softmax and scaling are elementwise (not counted).
+    """
+    q, k, v = (get_shape(x) for x in inputs[:3])
+    batch_heads = 1
+    for size in q[:-2]:
+        batch_heads *= size
+    n, dk, m, dv = q[-2], q[-1], k[-2], v[-1]
+    return batch_heads * n * m * (dk + dv)
+
+
+MATMUL_LIKE = re.compile(r"mm|matmul|conv|einsum|linear|attention|bmm|baddbmm|addmv|dot|tensordot|bilinear")
+"""Op names that carry matmul-like work: none of them may be left uncounted."""
+
+
+@dataclass(frozen=True)
+class MacCount:
+    """MACs of one forward at batch 1, split into the traced backbone and the analytic MoE layers."""
+
+    backbone: int  # everything fvcore traced (MoE layers excluded)
+    moe_layers: dict[str, int]  # activated MACs per MoE layer
+    moe_items: dict[str, int]  # items routed per MoE layer
+    moe_images: dict[str, int]  # images (sequences) per MoE layer: 1 at batch 1
+    unsupported: dict[str, int]  # ops fvcore saw but did not count, with their call counts
+
+    @property
+    def total(self) -> int:
+        return self.backbone + sum(self.moe_layers.values())
+
+
+def count_macs(model: nn.Module, input_size: tuple[int, int, int]) -> MacCount:
+    """Count MACs of `model` on one image of `input_size` (eval mode, real weights needed for the trace)."""
+    layers = {name: m for name, m in model.named_modules() if isinstance(m, MOE_LAYERS)}
+    was_training = model.training
+    model.eval()
+    try:
+        with _shape_only(layers.values()), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # jit tracer chatter
+            analysis = FlopCountAnalysis(model, torch.zeros(1, *input_size))
+            analysis.set_op_handle(**FLOP_HANDLES)
+            analysis.unsupported_ops_warnings(False)
+            analysis.uncalled_modules_warnings(False)
+            analysis.tracer_warnings("none")
+            backbone = analysis.total()
+            unsupported = dict(analysis.unsupported_ops())
+    finally:
+        model.train(was_training)
+    items = {name: m.last_items for name, m in layers.items()}
+    images = {name: m.last_images for name, m in layers.items()}
+    macs = {name: m.activated_macs(items[name], images[name]) for name, m in layers.items()}
+    return MacCount(backbone, macs, items, images, unsupported)
+
+
+@contextlib.contextmanager
+def _shape_only(layers: Iterator[nn.Module]) -> Iterator[None]:
+    """Swap each MoE layer's forward for one that returns zeros of the output shape, recording its items."""
+
+    def forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        channels = x.shape[self.channels_dim]
+        self.last_items, self.last_images = int(x.numel()) // int(channels), int(x.shape[0])
+        shape = list(x.shape)
+        shape[self.channels_dim] = self.experts.out_features
+        return torch.zeros(shape, dtype=x.dtype, device=x.device)
+
+    layers = list(layers)
+    for layer in layers:
+        layer.forward = types.MethodType(forward, layer)
+    try:
+        yield
+    finally:
+        for layer in layers:
+            del layer.forward

@@ -1,0 +1,122 @@
+"""Stats: total / activated parameters and MACs of a spec, and of its dense backbone for comparison.
+
+Counting rules (BRIEF.md §7):
+- parameters are counted from the built model, each shared tensor once, buffers never;
+- activated parameters per routed item = everything outside MoE layers + routers + shared experts + top_k
+  routed experts per MoE layer;
+- MACs follow fvcore (one multiply-add = one flop) at batch 1 and the spec's input size; MoE layers are
+  costed as activated compute under perfect balance and no drops (see `flops.py`); which experts one item
+  activates is its router kind's rule (`RouterKind.activated`).
+
+The backbone is built and traced once per spec: the dense figures come from it before the rewrite, the MoE
+figures from the compiled model that shares its modules. The MoE layers are built on the meta device, so a
+spec with billions of expert parameters costs no more memory than its dense backbone. Records are data; the
+CLI renders them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from torch import nn
+
+from ..backbones import create_backbone
+from ..compiler import compile_model, moe_layers
+from ..errors import SpecError
+from ..planning import INPUT_SIZE_ERRORS, LayerPlan, input_size_problem, plan_for
+from ..spec import Spec
+from .flops import MacCount, count_macs
+
+
+@dataclass(frozen=True)
+class LayerStats:
+    """One MoE layer. `activated` says what one routed item is (a token / position here)."""
+
+    path: str
+    experts: int
+    top_k: int
+    shared_experts: int
+    params: int  # router + shared + all routed experts
+    activated_params: int  # router + shared + top_k routed experts
+    gmacs: float  # activated, per image
+    activated: str = "per token"
+    items: int = 0  # items routed per image
+    executed_gmacs: float | None = None  # with a capacity factor: every expert padded to capacity
+
+
+@dataclass(frozen=True)
+class SpecStats:
+    name: str
+    spec: str  # the spec file, or "" for a spec built in Python
+    backbone: str
+    input_size: tuple[int, int, int]
+    total_params: int
+    activated_params: int
+    dense_params: int
+    gmacs: float  # activated, per image
+    dense_gmacs: float
+    moe_layers: int
+    experts_total: int
+    layers: list[LayerStats] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        record = asdict(self)
+        record["input_size"] = list(self.input_size)
+        return record
+
+
+def count_params(module: nn.Module) -> int:
+    """Parameters of `module`, each shared tensor once, buffers not counted."""
+    return sum(p.numel() for p in module.parameters())  # parameters() already yields each tensor once
+
+
+def stats(spec: Spec, *, input_size: tuple[int, int, int] | None = None) -> SpecStats:
+    """Parameter and MAC counts of `spec` (at `input_size`, default the spec's) and of its dense backbone."""
+    if input_size is not None:
+        spec = spec.model_copy(update={"input_size": tuple(input_size)})
+    backbone = create_backbone(spec)
+    plan = plan_for(spec, backbone)
+    dense_params, dense_macs = count_params(backbone), _macs(spec, backbone, plan.input_size).total
+    model = compile_model(backbone, plan, moe_device="meta")  # experts are counted and costed, never run
+    macs = _macs(spec, model, plan.input_size)
+    layers = [_layer_stats(path, moe, plan.layer(path), macs) for path, moe in moe_layers(model).items()]
+    total = count_params(model)
+    return SpecStats(
+        name=spec.name or spec.backbone.model,
+        spec=spec.source or "",
+        backbone=spec.backbone.model,
+        input_size=plan.input_size,
+        total_params=total,
+        activated_params=total - sum(layer.params - layer.activated_params for layer in layers),
+        dense_params=dense_params,
+        gmacs=macs.total / 1e9,
+        dense_gmacs=dense_macs / 1e9,
+        moe_layers=len(layers),
+        experts_total=sum(layer.experts for layer in layers),
+        layers=layers,
+    )
+
+
+def _layer_stats(path: str, moe: nn.Module, layer: LayerPlan, macs: MacCount) -> LayerStats:
+    """Params and MACs of one MoE layer. Activated params: the router, the shared experts and the routed
+    experts one routed unit uses, as its router kind says (top_k per token or per image, c on average for
+    expert choice, every expert for Soft MoE)."""
+    routed = count_params(moe.experts)
+    other = count_params(moe) - routed  # router (or Soft MoE's Phi and scale) + shared experts
+    per_expert = routed // moe.num_experts
+    experts_used, activated = layer.kind.activated(layer.router, layer)
+    items, images = macs.moe_items[path], macs.moe_images[path]
+    executed = moe.executed_macs(items, images)
+    return LayerStats(
+        path=path, experts=moe.num_experts, top_k=moe.top_k, shared_experts=layer.shared_experts,
+        params=routed + other, activated_params=other + round(experts_used * per_expert),
+        gmacs=macs.moe_layers[path] / 1e9, activated=activated,
+        items=items, executed_gmacs=executed / 1e9 if executed is not None else None,
+    )
+
+
+def _macs(spec: Spec, model: nn.Module, input_size: tuple[int, int, int]) -> MacCount:
+    try:
+        return count_macs(model, input_size)
+    except INPUT_SIZE_ERRORS as error:
+        raise SpecError(input_size_problem(spec, input_size, error)) from None

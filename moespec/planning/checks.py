@@ -1,0 +1,69 @@
+"""Checks of a spec that need its dense model: the input size it takes, and the dense checkpoint it names."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..errors import Problem, SpecError
+from ..spec import DENSE_SUFFIXES, Spec, located, spec_problem
+
+
+def checkpoint_problem(spec: Spec) -> Problem | None:
+    """A Problem at `backbone.checkpoint` when it is not a dense checkpoint file moespec can read, else None."""
+    if spec.backbone.checkpoint is None:
+        return None
+    path = spec.resolve_path(spec.backbone.checkpoint)
+    if path.suffix not in DENSE_SUFFIXES:
+        return spec_problem(spec, "backbone.checkpoint", f"unknown checkpoint type {path.suffix!r} of {str(path)!r}; "
+                                                         f"expected one of {', '.join(DENSE_SUFFIXES)}")
+    if not path.is_file():
+        return spec_problem(spec, "backbone.checkpoint", f"no such checkpoint file {str(path)!r}; a relative path is "
+                                                         f"relative to the spec file's folder")
+    return None
+
+
+INPUT_SIZE_ERRORS = (AssertionError, RuntimeError, ValueError, TypeError, OverflowError)
+"""What a backbone raises on an input size it cannot take: ViT's patch embed asserts, a conv kernel larger
+than the image is a RuntimeError, a size beyond int64 a TypeError."""
+
+
+def input_size_problem(spec: Spec, input_size: tuple[int, int, int], error: Exception) -> Problem:
+    """A Problem at `input_size` for the error the backbone raised on an input of that size."""
+    reason = str(error).strip().splitlines()[0].rstrip(".") if str(error).strip() else type(error).__name__
+    return spec_problem(spec, "input_size", f"the model cannot take input size {list(input_size)}: {reason}; models "
+                                            f"with a fixed input size take it as img_size (and in_chans) in "
+                                            f"backbone.kwargs")
+
+
+def model_input_problem(spec: Spec, model: nn.Module) -> Problem | None:
+    """Run `model` (on the meta device: shapes only) on the spec's input size; a Problem if it refuses it."""
+    try:
+        input_size = input_size_of(spec, model)
+    except SpecError as error:
+        return error.problems[0]
+    try:
+        with torch.no_grad():
+            model(torch.empty(1, *input_size, device="meta"))
+    except INPUT_SIZE_ERRORS as error:
+        return input_size_problem(spec, input_size, error)
+    return None
+
+
+def input_size_of(spec: Spec, model: nn.Module) -> tuple[int, int, int]:
+    """The spec's input_size, else the backbone's pretrained_cfg input size adjusted by img_size / in_chans."""
+    if spec.input_size is not None:
+        return spec.input_size
+    cfg = getattr(model, "pretrained_cfg", None) or {}
+    channels, height, width = cfg.get("input_size", (3, 224, 224))
+    kwargs = spec.backbone.kwargs
+    if kwargs.get("in_chans") is not None:  # timm ignores kwargs that are None
+        channels = kwargs["in_chans"]
+    size = kwargs.get("img_size")
+    if size is not None:
+        height, width = size if isinstance(size, (list, tuple)) and len(size) == 2 else (size, size)
+    if not all(isinstance(n, int) and n > 0 for n in (channels, height, width)):
+        raise located(spec, SpecError(Problem(
+            f"cannot tell the input size from img_size {size!r} / in_chans {kwargs.get('in_chans')!r}; give "
+            f"img_size as an integer or [height, width], or set input_size", path="backbone.kwargs")))
+    return (int(channels), int(height), int(width))

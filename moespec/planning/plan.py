@@ -1,0 +1,284 @@
+"""Plan before you cut: which FFN call sites become MoE layers, at which widths.
+
+`plan(spec)` builds the backbone on the meta device (no weights), discovers its blocks, resolves every
+surgery group's selector and widths, and returns a frozen `Plan`. The compiler and the upcycler only
+read the Plan; `moespec plan` prints it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from ..backbones import BLOCK_REBUILDERS, FFNShape, create_backbone, find_adapter, find_blocks, find_rebuilder
+from ..errors import Problem, SpecError, did_you_mean
+from ..spec import BlockLayout, MoEGroup, Spec, located, spec_problem
+from ..spec.registry import RouterKind, router_kind
+from ..spec.selectors import SelectorError, resolve_where
+from .checks import checkpoint_problem, input_size_of, model_input_problem
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """One FFN call site that becomes an MoE layer: numbers and names only."""
+
+    path: str  # qualified name of the dense FFN, kept by the MoE layer (e.g. "blocks.1.mlp")
+    group: int  # index of the surgery group in spec.moe
+    block: int  # global block index
+    family: str  # FFN family (adapter name), e.g. "Mlp"
+    in_features: int
+    dense_hidden: int
+    expert_hidden: int
+    out_features: int
+    channels_dim: int  # -1: features last; 1: [B, C, H, W]
+    experts: int
+    top_k: int
+    shared_experts: int
+    router: dict = field(hash=False)  # the spec's `router:` as plain data, model-dependent defaults filled in
+    capacity_factor: float | None = None
+    aux_loss_weights: dict = field(default_factory=dict, hash=False)  # aux-loss kind -> summed weight
+    aux_loss_in_backward: bool = False  # the aux loss reaches the gradients without `moespec.aux_loss`
+
+    @property
+    def kind(self) -> RouterKind:
+        """The router kind's registry entry: what every later stage asks instead of branching on the kind."""
+        return router_kind(self.router["kind"])
+
+    @property
+    def pool(self) -> str | None:
+        """Image routing: the vector the gate reads, "cls" or "mean"."""
+        return self.router.get("pool")
+
+    @property
+    def router_name(self) -> str:
+        """The router kind's short description, e.g. `topk/linear norm` or `soft p=1`."""
+        return self.kind.describe(self.router, self)
+
+
+@dataclass(frozen=True)
+class RescalePlan:
+    """One block rebuilt at a rescaled shape, between a pro-token and a pro-channel rescale (Sparse-MLP)."""
+
+    block: str  # qualified name of the block, kept by the rebuilt block
+    group: int  # index in spec.rescale
+    tokens: int  # S
+    channels: int  # C
+    rescaled_tokens: int  # S1
+    rescaled_channels: int  # C1
+    token_hidden: int  # hidden width of the rebuilt block's token-mixing MLP (or its experts)
+    channel_hidden: int  # and of its channel-mixing MLP
+
+    def __str__(self) -> str:
+        return (f"rescale {self.block}: [{self.tokens}, {self.channels}] -> [{self.rescaled_tokens}, "
+                f"{self.rescaled_channels}] (rebuilt, hidden {self.token_hidden} / {self.channel_hidden}) -> "
+                f"[{self.tokens}, {self.channels}]")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What the compiler will change in the backbone, in network order. Plain data: no spec objects."""
+
+    name: str  # the spec's name
+    model: str  # the timm model name
+    layout: BlockLayout
+    layers: tuple[LayerPlan, ...]
+    input_size: tuple[int, int, int]
+    rescales: tuple[RescalePlan, ...] = ()
+
+    def layer(self, path: str) -> LayerPlan:
+        return next(layer for layer in self.layers if layer.path == path)
+
+    def rebuilt(self, path: str) -> RescalePlan | None:
+        """The rescale that rebuilds the block containing module `path`, if any."""
+        return next((r for r in self.rescales if path == r.block or path.startswith(r.block + ".")), None)
+
+    COLUMNS = ("module", "family", "in", "dense hidden", "expert hidden", "experts", "k", "shared", "router")
+
+    def rows(self) -> list[tuple[str, ...]]:
+        """One row of strings per MoE layer, in the order of `COLUMNS`."""
+        return [(layer.path, layer.family, str(layer.in_features), str(layer.dense_hidden), str(layer.expert_hidden),
+                 str(layer.experts), str(layer.top_k), str(layer.shared_experts), layer.router_name)
+                for layer in self.layers]
+
+    def summary(self) -> str:
+        """One line about the backbone, then one per rescaled block."""
+        head = f"{self.name}: {self.model}, input {list(self.input_size)}, {self.layout.describe()}"
+        return "\n".join([head, *(str(r) for r in self.rescales)])
+
+    def __str__(self) -> str:
+        if not self.layers:
+            return self.summary() + "\n(no MoE layers)"
+        rows = [self.COLUMNS, *self.rows()]
+        widths = [max(len(row[i]) for row in rows) for i in range(len(self.COLUMNS))]
+        lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+        return "\n".join([self.summary(), *lines])
+
+
+def plan(spec: Spec) -> Plan:
+    """The Plan of `spec`, checked against its timm backbone built on the meta device. Pure: no weights.
+
+    Also checks what only this full check of a spec needs: that the backbone takes the input size (one
+    forward on the meta device) and that `backbone.checkpoint` names a dense checkpoint file.
+    """
+    model = create_backbone(spec, device="meta")
+    problems = [p for p in (model_input_problem(spec, model), checkpoint_problem(spec)) if p is not None]
+    try:
+        result = plan_for(spec, model)
+    except SpecError as error:
+        raise SpecError(error.problems + problems) from None
+    if problems:
+        raise SpecError(problems)
+    return result
+
+
+def plan_for(spec: Spec, model: nn.Module) -> Plan:
+    """The Plan of `spec` for an already built dense `model` (any device)."""
+    try:
+        layout = find_blocks(model)
+    except SpecError as error:
+        raise located(spec, error) from None
+    modules = dict(model.named_modules())
+    problems: list[Problem] = []
+    rescaled = _rescales(spec, layout, modules, problems)  # block path -> (S, C, S1, C1, rescale index)
+    hidden: dict[str, int] = {}  # FFN path in a rebuilt block -> its hidden width
+    claimed: dict[str, int] = {}  # FFN path -> the group that set it
+    layers: dict[str, LayerPlan] = {}
+    for index, group in enumerate(spec.moe):
+        for block_index in _picked(spec, f"moe.{index}.where", group.where, layout, problems):
+            block = layout.blocks[block_index]
+            if group.sublayer not in block.sublayers:
+                problems.append(spec_problem(
+                    spec, f"moe.{index}.sublayer",
+                    f"block {block.path} has no FFN sublayer {group.sublayer!r}; it has: {', '.join(block.sublayers)}"
+                    + did_you_mean(group.sublayer, block.sublayers)))
+                break
+            path = f"{block.path}.{group.sublayer}"
+            if path in claimed:
+                earlier = claimed[path]
+                what = "an MoE layer" if spec.moe[earlier].experts else "a plain MLP"
+                problems.append(spec_problem(
+                    spec, f"moe.{index}.where",
+                    f"{path} is already {what} from moe.{earlier}; each FFN can be replaced once"))
+                continue
+            claimed[path] = index
+            shape = _rescaled_shape(block.path, group.sublayer, rescaled, modules)
+            if group.experts == 0 and shape is None:
+                problems.append(spec_problem(
+                    spec, f"moe.{index}.experts",
+                    f"experts: 0 (a plain MLP) is allowed only in blocks rebuilt by rescale; {block.path} is not"))
+                continue
+            layer = _layer_plan(spec, index, group, block_index, path, model, problems, shape)
+            if layer is None:
+                continue
+            if shape is not None:
+                hidden[path] = layer.expert_hidden
+            if group.experts > 0:
+                layers[path] = layer
+    if problems:
+        raise SpecError(list(dict.fromkeys(problems)))  # one report per distinct problem
+    ordered = tuple(sorted(layers.values(), key=lambda layer: list(modules).index(layer.path)))
+    rescales = []
+    for path, (tokens, channels, new_tokens, new_channels, index) in rescaled.items():
+        rebuilder = find_rebuilder(modules[path])
+        token_ffn, channel_ffn = f"{path}.{rebuilder.token_sublayer}", f"{path}.{rebuilder.channel_sublayer}"
+        rescales.append(RescalePlan(
+            path, index, tokens, channels, new_tokens, new_channels,
+            token_hidden=hidden.get(token_ffn, find_adapter(modules[token_ffn]).shape(modules[token_ffn]).hidden),
+            channel_hidden=hidden.get(channel_ffn, find_adapter(modules[channel_ffn]).shape(modules[channel_ffn]).hidden)))
+    name = spec.name or spec.backbone.model
+    return Plan(name, spec.backbone.model, layout, ordered, input_size_of(spec, model), tuple(rescales))
+
+
+def _picked(spec: Spec, field: str, where: list, layout: BlockLayout, problems: list[Problem]) -> list[int]:
+    """The blocks a `where` selects, or none (with a problem at `field`) when it does not fit the model."""
+    try:
+        return resolve_where(where, layout)
+    except SelectorError as err:
+        problems.append(spec_problem(spec, field, str(err)))
+        return []
+
+
+def _rescales(spec: Spec, layout: BlockLayout, modules: dict[str, nn.Module], problems: list[Problem]) -> dict:
+    """Resolve `spec.rescale`: block path -> (S, C, S1, C1, rescale index); problems for what does not fit."""
+    rescaled: dict[str, tuple[int, int, int, int, int]] = {}
+    for index, rescale in enumerate(spec.rescale):
+        for block_index in _picked(spec, f"rescale.{index}.where", rescale.where, layout, problems):
+            path = layout.blocks[block_index].path
+            rebuilder = find_rebuilder(modules[path])
+            if rebuilder is None:
+                problems.append(spec_problem(
+                    spec, f"rescale.{index}.where",
+                    f"{path} is a {type(modules[path]).__name__}; rescale rebuilds only "
+                    f"{', '.join(cls.__name__ for cls in BLOCK_REBUILDERS)} blocks (MLP-Mixer)"))
+                break
+            if path in rescaled:
+                problems.append(spec_problem(spec, f"rescale.{index}.where",
+                                             f"{path} is already rescaled by rescale.{rescaled[path][4]}; each block "
+                                             f"can be rescaled once"))
+                continue
+            tokens, channels = rebuilder.shape(modules[path])
+            sizes = {"tokens": (rescale.tokens * tokens, tokens), "channels": (rescale.channels * channels, channels)}
+            bad = False
+            for field, (exact, base) in sizes.items():
+                if abs(exact - round(exact)) > 1e-6 or round(exact) < 1:
+                    problems.append(spec_problem(
+                        spec, f"rescale.{index}.{field}",
+                        f"{getattr(rescale, field)} x {base} {field} of {path} = {exact:g} is not a whole number; "
+                        f"use a multiple of 1/{base}"))
+                    bad = True
+            if bad:
+                break
+            rescaled[path] = (tokens, channels, round(sizes["tokens"][0]), round(sizes["channels"][0]), index)
+    return rescaled
+
+
+def _rescaled_shape(block: str, sublayer: str, rescaled: dict, modules: dict[str, nn.Module]) -> FFNShape | None:
+    """The shape of FFN `sublayer` of `block` after the block is rebuilt, or None if it is not rebuilt."""
+    if block not in rescaled:
+        return None
+    _, _, tokens, channels, _ = rescaled[block]
+    rebuilder = find_rebuilder(modules[block])
+    dense = find_adapter(modules[f"{block}.{sublayer}"]).shape(modules[f"{block}.{sublayer}"])
+    width = tokens if sublayer == rebuilder.token_sublayer else channels
+    return FFNShape(dense.family, width, dense.hidden, width, dense.channels_dim)
+
+
+def _layer_plan(spec: Spec, index: int, group: MoEGroup, block: int, path: str, model: nn.Module,
+                problems: list[Problem], shape: FFNShape | None = None) -> LayerPlan | None:
+    ffn = model.get_submodule(path)
+    shape = shape or find_adapter(ffn).shape(ffn)
+    kind = router_kind(group.router.kind)
+    try:
+        router = kind.resolve(group.router.model_dump(), model, spec.backbone.model)
+    except SpecError as error:
+        problems += [spec_problem(spec, f"moe.{index}.router.{p.path}", p.message) for p in error.problems]
+        return None
+    hidden = shape.hidden
+    if group.expert_hidden is not None:
+        hidden = group.expert_hidden
+    elif group.expert_mlp_ratio is not None:
+        exact = group.expert_mlp_ratio * shape.in_features
+        hidden = round(exact)
+        if abs(exact - hidden) > 1e-6 or hidden < 1:
+            problems.append(spec_problem(
+                spec, f"moe.{index}.expert_mlp_ratio",
+                f"{group.expert_mlp_ratio} x {shape.in_features} (the input width of {path}) = {exact:g} is not a "
+                f"whole number of hidden units; use expert_hidden instead"))
+            return None
+    return LayerPlan(
+        path=path, group=index, block=block, family=shape.family,
+        in_features=shape.in_features, dense_hidden=shape.hidden, expert_hidden=hidden,
+        out_features=shape.out_features, channels_dim=shape.channels_dim,
+        experts=group.experts, top_k=group.top_k, shared_experts=group.shared_experts,
+        router=router, capacity_factor=group.capacity_factor, aux_loss_weights=_aux_loss_weights(group),
+        aux_loss_in_backward=spec.aux_loss_in_backward,
+    )
+
+
+def _aux_loss_weights(group: MoEGroup) -> dict[str, float]:
+    """Aux-loss kind -> weight, summed over the group's `aux_loss` entries of that kind."""
+    weights: dict[str, float] = {}
+    for aux in group.aux_loss:
+        weights[aux.kind] = weights.get(aux.kind, 0.0) + aux.weight
+    return weights

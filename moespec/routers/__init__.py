@@ -1,0 +1,16 @@
+"""Router kinds, one file each, every one a complete `spec.RouterKind`: its spec model, module builder,
+upcycling caveats, activated-parameter rule and what `moespec inspect` counts. Importing this package
+registers the built-in kinds; a new kind is one more file and one `register_router_kind` call (README,
+"Extending").
+
+    topk.py  token choice top-k     expert_choice.py  expert choice     image.py  image-level     soft.py  Soft MoE
+"""
+
+# Registration order is the order of the JSON Schema's `router:` oneOf.
+from . import topk  # noqa: F401, I001
+from . import expert_choice  # noqa: F401
+from . import soft  # noqa: F401
+from . import image  # noqa: F401
+from .gates import Gate, GateField, build_gate, routed_pairs, sparse_moe
+
+__all__ = ["Gate", "GateField", "build_gate", "routed_pairs", "sparse_moe"]

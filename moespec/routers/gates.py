@@ -1,0 +1,81 @@
+"""What the routers with a gate share: the `gate:` spec, its module, and the sparse MoE layer around them.
+
+`linear`: logits = W_g x (a 1x1 conv on feature maps). `cosine` / `l2`: project x to a low dimension and
+compare with learned per-expert codes (X-MoE, Chi et al. 2022).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, Optional, Union
+
+import torch
+from pydantic import BeforeValidator, model_validator
+from torch import nn
+
+from ..layers import Experts, LinearGate, MoE, ProjectedGate
+from ..spec.fields import PositiveFloat, PositiveInt, SpecModel
+
+DEFAULT_GATE_DIM, DEFAULT_TEMPERATURE = 16, 0.07  # cosine / l2 gates (X-MoE, Chi et al. 2022)
+
+
+class Gate(SpecModel):
+    """How router logits are computed from an item (BRIEF.md §1).
+
+    `linear`: `W_g x` (a 1x1 conv on feature maps). `cosine`: project x to `dim`, cosine similarity with
+    learned per-expert codes, divided by `temperature` (Chi et al. 2022). `l2`: the same with the negative L2
+    distance.
+    """
+
+    kind: Literal["linear", "cosine", "l2"] = "linear"
+    dim: Optional[PositiveInt] = None
+    """Projection width of cosine / l2 gates; default 16 (X-MoE)."""
+    temperature: Optional[PositiveFloat] = None
+    """Divides cosine / l2 logits; default 0.07."""
+
+    @model_validator(mode="after")
+    def _projection_only_for_cosine_l2(self) -> "Gate":
+        if self.kind == "linear" and (self.dim is not None or self.temperature is not None):
+            raise ValueError("dim and temperature apply to cosine and l2 gates only; remove them or use kind: cosine "
+                             "or l2")
+        return self
+
+
+def _gate_shorthand(value: Any) -> Any:
+    """`gate: cosine` is short for `gate: {kind: cosine}`."""
+    return {"kind": value} if isinstance(value, str) else value
+
+
+GateField = Annotated[Gate, BeforeValidator(_gate_shorthand,
+                                            json_schema_input_type=Union[Literal["linear", "cosine", "l2"], Gate])]
+"""A `gate:` field: a Gate mapping, or just its kind."""
+
+
+def build_gate(gate: dict, dim: int, experts: int) -> nn.Module:
+    """The gate module of a plan's `gate` (linear, cosine or l2) over items of width `dim`."""
+    if gate["kind"] == "linear":
+        return LinearGate(dim, experts)
+    return ProjectedGate(dim, experts, proj_dim=gate["dim"] or DEFAULT_GATE_DIM,
+                         temperature=gate["temperature"] or DEFAULT_TEMPERATURE, metric=gate["kind"])
+
+
+def describe_gate(kind: str, router: dict) -> str:
+    """`topk/linear`, `image/cls/cosine`: the kind and the gate, the start of a plan's router column."""
+    return f"{kind}/{router['gate']['kind']}"
+
+
+def sparse_moe(router: nn.Module, layer: Any, experts: Experts, shared: Experts | None) -> MoE:
+    """The sparse MoE layer of a `planning.LayerPlan` around a router module."""
+    return MoE(router, experts, shared, channels_dim=layer.channels_dim, aux_loss_weights=dict(layer.aux_loss_weights),
+               aux_loss_in_backward=layer.aux_loss_in_backward)
+
+
+def routed_pairs(moe: MoE) -> tuple[Any, float]:
+    """Inspection of a sparse layer's last forward: [B, E] (item, expert) pairs per image, and the items no
+    expert took."""
+    routing, images = moe.last_routing, moe.last_images
+    per_image = moe.last_items // images
+    expert = torch.repeat_interleave(torch.arange(moe.num_experts), routing.counts.cpu())
+    image = routing.item.cpu() // per_image
+    pairs = torch.zeros(images, moe.num_experts, dtype=torch.float64)
+    pairs.index_put_((image, expert), torch.ones(len(expert), dtype=torch.float64), accumulate=True)
+    return pairs, float((~routing.kept).sum())

@@ -1,0 +1,20 @@
+"""Stage 1, the spec: YAML to a validated, frozen `Spec`. No torch, no timm.
+
+    fields.py     the base model and number types      registry.py   selectors and router kinds (extension)
+    selectors.py  `where:` selectors                    blocks.py     Block / BlockLayout, what selectors resolve
+    models.py     one pydantic model per YAML mapping   problems.py   pydantic errors -> located Problems
+    loading.py    load_spec, spec_files, spec_problem   schema.py     the JSON Schema of spec files
+"""
+
+from .blocks import Block, BlockLayout
+from .fields import SpecModel
+from .loading import load_spec, located, read_document, spec_files, spec_problem
+from .models import DENSE_SUFFIXES, AuxLoss, Backbone, MoEGroup, RescaleSpec, Spec, Upcycle
+from .problems import allowed_keys
+from .registry import ROUTER_KINDS, SELECTORS, Inspection, RouterKind, RouterSpec, register_router_kind, register_selector
+from .schema import SCHEMA_FILE, json_schema, json_schema_text
+
+__all__ = ["DENSE_SUFFIXES", "ROUTER_KINDS", "SCHEMA_FILE", "SELECTORS", "AuxLoss", "Backbone", "Block", "BlockLayout",
+           "Inspection", "MoEGroup", "RescaleSpec", "RouterKind", "RouterSpec", "Spec", "SpecModel", "Upcycle",
+           "allowed_keys", "json_schema", "json_schema_text", "load_spec", "located", "read_document",
+           "register_router_kind", "register_selector", "spec_files", "spec_problem"]

@@ -1,0 +1,250 @@
+"""The spec: one frozen pydantic model per YAML mapping.
+
+    name: vit-s16-moe8-every2-top2
+    backbone: {model: vit_small_patch16_224, kwargs: {num_classes: 1000}}
+    input_size: [3, 224, 224]
+    moe:
+      - where: {every: 2}
+        experts: 8
+        top_k: 2
+    upcycle: {router_init: normal, noise: 0.0, split: slice}
+
+The README's "Spec language" section documents every field; the models below are the single source of
+truth for names, types and defaults. The `where:` and `router:` fields are unions over the registries of
+`spec.registry`; `_rebuild` refreshes them whenever a selector or router kind is registered.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, Literal, Optional, Union
+
+import yaml
+from pydantic import (BeforeValidator, Discriminator, Field, PrivateAttr, Tag, ValidationInfo, field_validator,
+                      model_validator)
+from pydantic.fields import FieldInfo
+
+from .fields import NonNegativeFloat, NonNegativeInt, OneOrList, PositiveFloat, PositiveInt, SpecModel
+from .registry import ROUTER_KINDS, RouterSpec, on_register
+from .selectors import where_type
+
+DENSE_SUFFIXES = (".safetensors", ".pth", ".pt", ".bin")
+"""The dense checkpoint files `backbone.checkpoint` may name."""
+
+DEFAULT_ROUTER_KIND = "topk"
+"""A `router:` mapping without `kind` (and a group without `router:`) is a top-k router."""
+
+
+class Backbone(SpecModel):
+    """The dense timm model the surgery starts from."""
+
+    model: Annotated[str, Field(min_length=1)]
+    """Any timm model name, e.g. `vit_small_patch16_224`."""
+    kwargs: dict[str, Any] = {}
+    """Forwarded to `timm.create_model` (img_size, depth, embed_dim, num_classes, ...)."""
+    checkpoint: Optional[str] = None
+    """Local dense checkpoint (.safetensors/.pth/.bin) to upcycle from; relative paths are relative to the
+    spec file."""
+    pretrained: bool = False
+    """Upcycle from timm's pretrained weights (needs a network)."""
+
+    @field_validator("kwargs")
+    @classmethod
+    def _no_reserved_kwargs(cls, kwargs: dict[str, Any]) -> dict[str, Any]:
+        reserved = {"pretrained", "checkpoint_path", "model_name"} & set(kwargs)
+        if reserved:
+            raise ValueError(
+                f"{sorted(reserved)} cannot be passed through kwargs; use backbone.pretrained / "
+                f"backbone.checkpoint instead"
+            )
+        return kwargs
+
+
+def router_kind_of(value: Any) -> str | None:
+    """The `kind` of a router mapping (default: top-k) or of a router spec model."""
+    return value.get("kind", DEFAULT_ROUTER_KIND) if isinstance(value, dict) else getattr(value, "kind", None)
+
+
+def router_type() -> Any:
+    """The type of a `router:` field over the router kinds registered now, chosen by `kind`."""
+    members = tuple(Annotated[kind.spec, Tag(name)] for name, kind in ROUTER_KINDS.items())
+    return Annotated[Union[members], Discriminator(router_kind_of)]  # type: ignore[valid-type]
+
+
+class AuxLoss(SpecModel):
+    """A load-balancing loss of the layer's last forward, added by `moespec.aux_loss(model)`."""
+
+    kind: Literal["importance_load", "switch", "z_loss"] = "importance_load"
+    weight: NonNegativeFloat = 0.01
+
+
+class MoEGroup(SpecModel):
+    """One surgery group: the FFN `sublayer` of each block picked by `where` becomes an MoE layer."""
+
+    where: Any
+    """Which blocks: one selector or a list of them (their union)."""
+    sublayer: Annotated[str, Field(min_length=1)] = "mlp"
+    experts: NonNegativeInt
+    """Routed experts E. 0 means a plain (dense) MLP of width `expert_hidden`, only in blocks rebuilt by
+    `rescale` (Sparse-MLP's "0 = plain MLP")."""
+    top_k: PositiveInt = 1
+    expert_hidden: Optional[PositiveInt] = None
+    """Hidden width of each expert; default: the dense FFN's hidden width."""
+    expert_mlp_ratio: Optional[PositiveFloat] = None
+    """Hidden width as a multiple of the FFN's input width (alternative to `expert_hidden`)."""
+    shared_experts: NonNegativeInt = 0
+    """Always-active experts whose output is added to the routed output (ViMoE)."""
+    router: Any = None
+    capacity_factor: Optional[PositiveFloat] = None
+    """topk only: each expert takes at most ceil(capacity_factor * top_k * T / experts) of T items;
+    null = dropless."""
+    aux_loss: OneOrList(AuxLoss) = [AuxLoss()]
+    """One aux loss or a list of them; stored as a list."""
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k_at_most_experts(cls, top_k: int, info: ValidationInfo) -> int:
+        experts = info.data.get("experts")
+        if experts and top_k > experts:
+            raise ValueError(f"top_k ({top_k}) must be between 1 and experts ({experts})")
+        return top_k
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_default_aux_loss_without_balancing(cls, data: Any) -> Any:
+        """A router without load balancing (Soft MoE, BRIEF.md §5) has no default aux loss."""
+        if isinstance(data, dict) and "aux_loss" not in data:
+            kind = ROUTER_KINDS.get(router_kind_of(data.get("router") or {}))
+            if kind is not None and not kind.spec.load_balanced:
+                data = {**data, "aux_loss": []}
+        return data
+
+    # Cross-field checks sit on the later of the two fields, so that errors name a field, not the group.
+    @field_validator("router")
+    @classmethod
+    def _router_takes_top_k(cls, router: RouterSpec, info: ValidationInfo) -> RouterSpec:
+        top_k = info.data.get("top_k", 1)
+        if not router.takes_top_k and top_k != 1:
+            raise ValueError(f"top_k ({top_k}) does not apply to {router.kind} routers; remove top_k"
+                             + (f" and {router.instead} instead" if router.instead else ""))
+        return router
+
+    @field_validator("capacity_factor")
+    @classmethod
+    def _capacity_factor_where_taken(cls, factor: float | None, info: ValidationInfo) -> float | None:
+        router = info.data.get("router")
+        if factor is not None and router is not None and not router.takes_capacity_factor:
+            takers = ", ".join(name for name, kind in ROUTER_KINDS.items() if kind.spec.takes_capacity_factor)
+            raise ValueError(f"capacity_factor applies to {takers} routers only, not {router.kind}; "
+                             + (f"{router.instead} instead" if router.instead else "remove it"))
+        return factor
+
+    @field_validator("aux_loss")
+    @classmethod
+    def _aux_loss_where_balanced(cls, losses: list[AuxLoss], info: ValidationInfo) -> list[AuxLoss]:
+        router = info.data.get("router")
+        if losses and router is not None and not router.load_balanced:
+            raise ValueError(f"{router.title} has no load-balancing loss; remove aux_loss")
+        return losses
+
+    @model_validator(mode="after")
+    def _router_checks_group(self) -> "MoEGroup":
+        self.router.check_group(self)
+        return self
+
+    @field_validator("expert_mlp_ratio")
+    @classmethod
+    def _one_width(cls, ratio: float | None, info: ValidationInfo) -> float | None:
+        if ratio is not None and info.data.get("expert_hidden") is not None:
+            raise ValueError("give expert_hidden or expert_mlp_ratio, not both")
+        return ratio
+
+
+class Upcycle(SpecModel):
+    """How experts and routers start when a dense model is upcycled (Komatsuzaki et al. 2023)."""
+
+    router_init: Literal["normal", "zeros"] = "normal"
+    """`normal`: N(0, 0.02^2); `zeros`: all gates equal at the start."""
+    noise: NonNegativeFloat = 0.0
+    """Std of Gaussian noise added to each expert's copied weights, relative to each tensor's std."""
+    split: Literal["slice", "partition"] = "slice"
+    """For experts narrower than the dense FFN: `slice` gives every expert the leading hidden units,
+    `partition` gives expert i its own block of units."""
+
+
+class RescaleSpec(SpecModel):
+    """Sparse-MLP rescale (BRIEF.md §3): each selected block is rebuilt at [S1, C1] = [tokens * S, channels * C],
+    wrapped by a pro-token rescale [S, C] -> [S1, C1] before it and a pro-channel rescale back after it."""
+
+    where: Any
+    tokens: PositiveFloat = 1.0
+    """S1 / S."""
+    channels: PositiveFloat = 1.0
+    """C1 / C."""
+
+
+def _channels_height_width(value: Any) -> Any:
+    """`input_size` is written as a list of three; say so instead of pydantic's tuple errors."""
+    if not isinstance(value, (list, tuple)) or len(value) != 3:
+        raise ValueError("expected [channels, height, width], three positive integers, e.g. [3, 224, 224]")
+    return value
+
+
+class Spec(SpecModel):
+    """A whole MoE model: a timm backbone and the surgery applied to it."""
+
+    name: Optional[Annotated[str, Field(min_length=1)]] = None
+    """Defaults to the spec file's stem."""
+    backbone: Backbone
+    input_size: Optional[Annotated[tuple[PositiveInt, PositiveInt, PositiveInt],
+                                   BeforeValidator(_channels_height_width)]] = None
+    """(channels, height, width); default: the backbone's pretrained_cfg input_size."""
+    rescale: OneOrList(RescaleSpec) = []
+    """Blocks to rebuild at a rescaled shape (Sparse-MLP); one mapping or a list."""
+    moe: list[MoEGroup] = []
+    upcycle: Upcycle = Upcycle()
+    aux_loss_in_backward: bool = False
+    """Add every MoE layer's weighted aux loss to the gradients in backward (like Megatron's
+    MoEAuxLossAutoScaler), for training loops that never call `moespec.aux_loss`; `moespec.aux_loss(model)`
+    then returns the value detached, for logging, so adding it as well does not count it twice."""
+    _source: Optional[str] = PrivateAttr(default=None)
+
+    @property
+    def source(self) -> str | None:
+        """The file this spec was loaded from (not part of the YAML), or None."""
+        return self._source
+
+    def to_yaml(self) -> str:
+        """The spec as YAML, with every default written out. `load_spec` reads it back to an equal Spec."""
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+    def resolve_path(self, path: str | Path) -> Path:
+        """A path from the spec, relative to the spec file's folder."""
+        path = Path(path).expanduser()
+        if path.is_absolute() or self.source is None:
+            return path
+        return Path(self.source).parent / path
+
+
+def _replace_field(model: type[SpecModel], name: str, annotation: Any, default: Any = ...) -> None:
+    old = model.model_fields[name]
+    new = FieldInfo.from_annotated_attribute(annotation, default)
+    new.description = old.description
+    model.model_fields[name] = new
+
+
+def _rebuild() -> None:
+    """Refresh the fields built from the registries, then the models that contain them, so that a selector
+    or router kind registered after import is validated and appears in the JSON Schema."""
+    if not ROUTER_KINDS:  # the built-in kinds register when `moespec.routers` is imported
+        return
+    where = where_type()
+    _replace_field(MoEGroup, "where", where)
+    _replace_field(RescaleSpec, "where", where)
+    default_router = ROUTER_KINDS[DEFAULT_ROUTER_KIND].spec() if DEFAULT_ROUTER_KIND in ROUTER_KINDS else ...
+    _replace_field(MoEGroup, "router", router_type(), default_router)
+    for model in (MoEGroup, RescaleSpec, Spec):
+        model.model_rebuild(force=True)
+
+
+on_register(_rebuild)

@@ -1,0 +1,77 @@
+"""moespec checkpoints: a model saved with its spec inside, and rebuilt from it.
+
+A moespec checkpoint is a safetensors file (or a sharded set, see `io.sharding`) whose header metadata holds
+the spec YAML, its sha256 and the moespec version; `load` rebuilds the model from that spec and reads the
+weights straight into it. Nothing is unpickled.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .._version import __version__
+from ..compiler import create_model
+from ..errors import CheckpointError, MoespecError
+from ..io import (DEFAULT_MAX_SHARD_SIZE, TensorInfo, checkpoint_files, read_safetensors_into, safetensors_shapes,
+                  write_sharded)
+from ..spec import Spec, load_spec
+from .dense import check_state_dict
+
+SPEC_KEY, SPEC_HASH_KEY, VERSION_KEY = "moespec.spec", "moespec.spec_sha256", "moespec.version"
+
+
+def save(model: nn.Module, path: str | Path, *, force: bool = False, dtype: torch.dtype | None = None,
+         max_shard_size: int = DEFAULT_MAX_SHARD_SIZE) -> Path:
+    """Save a compiled MoE model as safetensors with its spec in the header metadata, sharded beyond
+    `max_shard_size` bytes; floating tensors are cast to `dtype` if given. Returns the path to `load`."""
+    spec = getattr(model, "moespec_spec", None)
+    if spec is None:
+        raise MoespecError("this model was not built by moespec (no spec attached); build it with moespec.create_model")
+    state = model.state_dict()
+    infos = [TensorInfo(name, tuple(t.shape), output_dtype(t.dtype, dtype)) for name, t in state.items()]
+    write_sharded(path, infos, lambda info: state[info.name].to(info.dtype), spec_metadata(spec),
+                  max_shard_size=max_shard_size, force=force)
+    return Path(path)
+
+
+def output_dtype(dtype: torch.dtype, target: torch.dtype | None) -> torch.dtype:
+    """`target` for floating tensors (weights), the tensor's own dtype otherwise (integer buffers)."""
+    return target if target is not None and dtype.is_floating_point else dtype
+
+
+def spec_metadata(spec: Spec) -> dict[str, str]:
+    """The header metadata of a moespec checkpoint: the spec YAML, its sha256 and the moespec version."""
+    spec_yaml = spec.to_yaml()
+    return {SPEC_KEY: spec_yaml, SPEC_HASH_KEY: hashlib.sha256(spec_yaml.encode()).hexdigest(), VERSION_KEY: __version__}
+
+
+def read_spec(path: str | Path) -> Spec:
+    """The spec embedded in a moespec checkpoint (checked against its hash)."""
+    metadata, _ = checkpoint_files(path)
+    spec_yaml = metadata.get(SPEC_KEY)
+    if spec_yaml is None:
+        raise CheckpointError(f"{path}: has no moespec spec in its metadata; is it a dense checkpoint? "
+                              f"(upcycle it with `moespec upcycle SPEC --checkpoint {path}`)")
+    if hashlib.sha256(spec_yaml.encode()).hexdigest() != metadata.get(SPEC_HASH_KEY):
+        raise CheckpointError(f"{path}: the embedded spec does not match its hash; the file was altered")
+    return load_spec(f"{path}[spec]", text=spec_yaml)
+
+
+def load(path: str | Path, *, device: str | torch.device = "cpu") -> nn.Module:
+    """Rebuild the MoE model from the spec inside a moespec checkpoint (one file or shards) and load its
+    weights straight into it (cast to the model's dtype), so memory holds the model plus one tensor."""
+    spec = read_spec(path)
+    _, files = checkpoint_files(path)
+    model = create_model(spec, device=device)
+    shapes = {name: shape for file in files for name, shape in safetensors_shapes(file).items()}
+    check_state_dict(shapes, model, f"{path}")
+    targets = model.state_dict()
+    for file in files:
+        read_safetensors_into(file, targets)
+    return model
+
+

@@ -1,0 +1,118 @@
+"""Streaming upcycling: from a dense checkpoint straight to a (sharded) safetensors checkpoint, one MoE layer at
+a time, so that a model larger than memory can be upcycled (`moespec upcycle`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch import nn
+
+from ..compiler import compile_model, materialize, moe_layers
+from ..io import DEFAULT_MAX_SHARD_SIZE, TensorInfo, write_sharded
+from ..planning import Plan, plan_for
+from ..spec import Spec
+from .checkpoint import load, output_dtype, spec_metadata
+from .dense import dense_model
+from .upcycle import UpcycleReport, caveats, compare, upcycle_layer
+
+
+def upcycle_to_checkpoint(spec: Spec, output: str | Path, *, checkpoint: str | Path | None = None, seed: int = 0,
+                          dtype: torch.dtype | None = None, max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
+                          force: bool = False, check: bool = True, trust_pickle: bool = False,
+                          on_layer: Callable[[str, int, int], None] | None = None) -> tuple[list[Path], UpcycleReport | None]:
+    """Upcycle `spec` straight into a (sharded) safetensors checkpoint at `output`, streaming.
+
+    The MoE layers are built on the meta device; while the shards are written, each layer is materialized,
+    filled from the dense FFN, written and freed, so peak memory is the dense model plus one MoE layer.
+    Weights equal `upcycle(spec, checkpoint, seed=seed)`'s (cast to `dtype`). The check compares the logits
+    of the written model, loaded back, with the dense model's (dense weights rounded to `dtype` too) when
+    the MoE model takes at most a quarter of this machine's memory, else each MoE layer against its dense
+    FFN as it is built. `on_layer(path, done, total)` is called after each MoE layer is written.
+    Returns the files written (index first) and the check's report (None without `check`).
+    """
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)  # fresh inits (dense model without weights, rebuilt blocks) are reproducible
+        generator = torch.Generator().manual_seed(seed)
+        dense, source = dense_model(spec, checkpoint, trust_pickle=trust_pickle)
+        plan = plan_for(spec, dense)
+        dense_state = dense.state_dict()  # keeps the FFN weights reachable once the MoE model replaces them
+        model = compile_model(dense, plan, moe_device="meta")  # shares every other module with `dense`
+        state = model.state_dict()
+        params = sum(t.numel() for t in state.values())
+        whole = check and params * 4 <= _memory_bytes() / 4
+        layers = _LayerStream(model, spec, plan, dense, dense_state, generator, per_layer_check=check and not whole,
+                              on_layer=on_layer)
+        infos = [TensorInfo(name, tuple(t.shape), output_dtype(t.dtype, dtype)) for name, t in state.items()]
+        files = write_sharded(output, infos, lambda info: layers.tensor(info.name, state).to(info.dtype),
+                              spec_metadata(spec), max_shard_size=max_shard_size, force=force)
+    if not check:
+        return files, None
+    if whole:
+        if dtype is not None:  # compare like with like: the dense weights rounded as the experts were
+            dense.to(dtype).float()
+        report = compare(dense, load(output), plan.input_size, source, torch.Generator().manual_seed(seed + 1))
+    else:
+        report = UpcycleReport(source, layers.max_diff, layers.max_output, scope="layers")
+    return files, dataclasses.replace(report, caveats=caveats(plan))
+
+
+class _LayerStream:
+    """Hands out the tensors of a model whose MoE layers are on the meta device: each layer is materialized
+    and upcycled when its first tensor is asked for, and freed after its last."""
+
+    def __init__(self, model: nn.Module, spec: Spec, plan: Plan, dense: nn.Module, dense_state: dict[str, torch.Tensor],
+                 generator: torch.Generator, *, per_layer_check: bool,
+                 on_layer: Callable[[str, int, int], None] | None):
+        self.layers, self.spec, self.plan = moe_layers(model), spec, plan
+        self.dense, self.dense_state = dense, dense_state
+        self.generator, self.per_layer_check, self.on_layer = generator, per_layer_check, on_layer
+        self.check_generator = torch.Generator().manual_seed(generator.initial_seed() + 1)
+        self.current: tuple[str, dict[str, torch.Tensor]] | None = None
+        self.done = 0
+        self.max_diff = self.max_output = 0.0
+        names = list(model.state_dict())
+        self.owner = {name: path for name in names for path in self.layers if name.startswith(path + ".")}
+        self.last = {path: name for name, path in self.owner.items()}  # state-dict order: a layer's names are contiguous
+
+    def tensor(self, name: str, state: dict[str, torch.Tensor]) -> torch.Tensor:
+        path = self.owner.get(name)
+        if path is None:
+            return state[name]
+        if self.current is None or self.current[0] != path:
+            self.current = (path, self._build(path))
+        tensor = self.current[1][name[len(path) + 1:]]
+        if name == self.last[path]:
+            self.layers[path].to_empty(device="meta")  # free it: the next layer reuses the memory
+            self.current = None
+            self.done += 1
+            if self.on_layer is not None:
+                self.on_layer(path, self.done, len(self.layers))
+        return tensor
+
+    def _build(self, path: str) -> dict[str, torch.Tensor]:
+        layer = materialize(self.layers[path])  # fresh init: what rebuilt (rescaled) blocks keep
+        if self.plan.rebuilt(path) is None:
+            ffn_state = {k[len(path) + 1:]: v for k, v in self.dense_state.items() if k.startswith(path + ".")}
+            with torch.no_grad():
+                upcycle_layer(layer, self.plan.layer(path), ffn_state, self.spec, self.generator)
+            if self.per_layer_check:
+                self._check(self.dense.get_submodule(path), layer)
+        return layer.state_dict()
+
+    @torch.no_grad()
+    def _check(self, ffn: nn.Module, layer: nn.Module) -> None:
+        """Max |MoE layer - dense FFN| on random items: [2, 16, C] tokens, or a [2, C, 4, 4] map."""
+        dim = layer.experts.in_features
+        shape = (2, dim, 4, 4) if layer.channels_dim == 1 else (2, 16, dim)
+        x = torch.randn(shape, generator=self.check_generator)
+        dense_y, moe_y = ffn.eval()(x), layer.eval()(x)
+        self.max_diff = max(self.max_diff, (dense_y - moe_y).abs().max().item())
+        self.max_output = max(self.max_output, dense_y.abs().max().item())
+
+
+def _memory_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -1,0 +1,171 @@
+"""Sparse upcycling (Komatsuzaki et al. 2023): start an MoE model from a dense one, in memory.
+
+Every non-FFN weight is copied from the dense state dict; each expert (and shared expert) is a copy of the
+dense FFN, or of a subset of its hidden units when experts are narrower (`split: slice` gives every expert
+the leading units, `split: partition` gives expert i the i-th block); routers start N(0, 0.02^2) or zero.
+
+Two ways, the same weights for the same seed:
+    upcycle / upcycle_with_report   the whole MoE model in memory (to train it right away)
+    upcycle_to_checkpoint           streams to (sharded) safetensors: the dense model plus one MoE layer at a
+                                    time are in memory, never the whole MoE model (`streaming.py`)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch import fx, nn
+
+from ..backbones import adapter_named
+from ..compiler import create_model, moe_layers
+from ..errors import SpecError
+from ..planning import LayerPlan, Plan
+from ..spec import Spec, spec_problem
+from .dense import dense_model
+
+
+@dataclass(frozen=True)
+class UpcycleReport:
+    """How closely the upcycled model computes the dense function at initialization."""
+
+    source: str  # where the dense weights came from
+    max_abs_logit_diff: float
+    max_abs_logit: float
+    caveats: tuple[str, ...] = ()  # what in the spec changes the function, from `caveats(plan)`
+    scope: str = "model"  # "model": logits of the whole model; "layers": each MoE layer against its dense FFN
+
+    @property
+    def function_preserving(self) -> bool:
+        """Equal to the dense model up to fp32 rounding (1e-5, relative to the logit scale when it is > 1)."""
+        return self.max_abs_logit_diff <= 1e-5 * max(1.0, self.max_abs_logit)
+
+    def __str__(self) -> str:
+        verdict = "yes" if self.function_preserving else "no"
+        lines = [f"function-preserving: {verdict} (max |dlogit| = {self.max_abs_logit_diff:.3g})"]
+        if self.scope == "layers":
+            lines = [f"function-preserving: {verdict} (max |dy| = {self.max_abs_logit_diff:.3g} over the MoE layers, "
+                     f"each against its dense FFN; the model is too large to compare whole)"]
+        if self.max_abs_logit == 0:
+            lines = ["function-preserving: cannot tell (the dense logits are all 0, e.g. a zero-initialized head; "
+                     "upcycle trained weights to check)"]
+        fresh = [c for c in self.caveats if "freshly initialized" in c]
+        if not self.function_preserving:
+            lines += [f"  because {caveat}" for caveat in self.caveats if caveat not in fresh]
+        lines += [f"  {caveat}" for caveat in fresh]  # always said, block by block
+        return "\n".join(lines)
+
+
+def caveats(plan: Plan) -> tuple[str, ...]:
+    """Why an upcycled model of `plan` may not compute the dense function, one line per surgery group and
+    one per rebuilt block. The router kind says what its routing changes."""
+    found: dict[str, None] = {}
+    for r in plan.rescales:
+        found[f"{r.block}: rebuilt at [{r.rescaled_tokens}, {r.rescaled_channels}] (rescale.{r.group}) and freshly "
+              f"initialized; a block of a new shape cannot be upcycled"] = None
+    for layer in plan.layers:
+        if plan.rebuilt(layer.path) is not None:
+            continue
+        where = f"moe.{layer.group}"
+        lines = [f"{layer.shared_experts} shared expert(s) add another copy of the dense FFN's output"
+                 ] if layer.shared_experts else []
+        lines += layer.kind.caveats(layer.router, layer)
+        if layer.expert_hidden < layer.dense_hidden:
+            lines.append(f"experts keep {layer.expert_hidden} of the dense FFN's {layer.dense_hidden} hidden units")
+        if layer.family == "GlobalResponseNormMlp" and layer.top_k < layer.experts:
+            lines.append("each GRN expert normalizes over only the positions it receives")
+        found.update((f"{where}: {line}", None) for line in lines)
+    return tuple(found)
+
+
+def upcycle(spec: Spec, checkpoint: str | Path | None = None, *, seed: int = 0,
+            trust_pickle: bool = False) -> fx.GraphModule:
+    """The MoE model of `spec` with every expert copied from the dense FFN (see `dense_model` for sources)."""
+    model, _ = upcycle_with_report(spec, checkpoint, seed=seed, check=False, trust_pickle=trust_pickle)
+    return model
+
+
+def upcycle_with_report(spec: Spec, checkpoint: str | Path | None = None, *, seed: int = 0,
+                        check: bool = True, trust_pickle: bool = False) -> tuple[fx.GraphModule, UpcycleReport | None]:
+    """`upcycle`, plus a comparison of the upcycled model's logits with the dense model's on random input."""
+    dense, source = dense_model(spec, checkpoint, trust_pickle=trust_pickle)
+    generator = torch.Generator().manual_seed(seed)
+    model = create_model(spec)
+    upcycle_into(model, spec, model.moespec_plan, dense.state_dict(), generator)
+    if not check:
+        return model, None
+    report = compare(dense, model, model.moespec_plan.input_size, source, generator)
+    return model, dataclasses.replace(report, caveats=caveats(model.moespec_plan))
+
+
+def upcycle_into(model: nn.Module, spec: Spec, plan: Plan, dense: dict[str, torch.Tensor],
+                 generator: torch.Generator) -> None:
+    """Copy `dense` into the compiled `model` in place: non-FFN weights as they are, FFNs into experts.
+    Blocks rebuilt at a rescaled shape keep their fresh init: no dense weight has their shape."""
+    layers = moe_layers(model)
+    skip = tuple(f"{path}." for path in layers) + tuple(f"{r.block}." for r in plan.rescales)
+    with torch.no_grad():
+        for name, tensor in model.state_dict(keep_vars=True).items():
+            if not name.startswith(skip) and name in dense:
+                tensor.copy_(dense[name])
+        for layer in plan.layers:
+            if plan.rebuilt(layer.path) is not None:
+                continue
+            ffn_state = {k[len(layer.path) + 1:]: v for k, v in dense.items() if k.startswith(layer.path + ".")}
+            upcycle_layer(layers[layer.path], layer, ffn_state, spec, generator)
+
+
+def upcycle_layer(moe: nn.Module, layer: LayerPlan, ffn_state: dict[str, torch.Tensor], spec: Spec,
+                   generator: torch.Generator) -> None:
+    options = spec.upcycle
+    hidden = layer.expert_hidden
+    if hidden > layer.dense_hidden:
+        width = "expert_hidden" if spec.moe[layer.group].expert_hidden is not None else "expert_mlp_ratio"
+        raise SpecError(spec_problem(
+            spec, f"moe.{layer.group}.{width}",
+            f"{layer.path}: experts of {hidden} hidden units cannot be upcycled from a dense FFN of "
+            f"{layer.dense_hidden}; use an expert width <= {layer.dense_hidden}"))
+    if options.split == "partition" and hidden * layer.experts > layer.dense_hidden:
+        raise SpecError(spec_problem(
+            spec, "upcycle.split",
+            f"{layer.path}: split: partition needs experts x expert_hidden <= {layer.dense_hidden} "
+            f"(got {layer.experts} x {hidden}); use split: slice or narrower experts"))
+    adapter = adapter_named(layer.family)
+    leading = torch.arange(hidden)
+    units = [leading + (i * hidden if options.split == "partition" else 0) for i in range(layer.experts)]
+    _fill(moe.experts, [lambda u=u: adapter.expert_state(ffn_state, u) for u in units], options.noise, generator)
+    if moe.shared is not None:
+        shared = [lambda: adapter.expert_state(ffn_state, leading)] * layer.shared_experts
+        _fill(moe.shared, shared, options.noise, generator)
+    for weight in moe.router_weights():
+        if options.router_init == "zeros":
+            weight.zero_()
+        else:
+            weight.copy_(torch.randn(weight.shape, generator=generator) * 0.02)
+
+
+def _fill(bank: nn.Module, experts: list[Callable[[], dict[str, torch.Tensor]]], noise: float,
+          generator: torch.Generator) -> None:
+    """Copy each expert's tensors (made by `experts[i]()`, one expert at a time: a layer of a giant spec is
+    large) into the bank's [E, ...] parameters, adding N(0, noise^2) to the fc weights."""
+    params = dict(bank.named_parameters())
+    for i, make in enumerate(experts):
+        for name, tensor in make().items():
+            param = params[name]
+            param[i].copy_(tensor.reshape(param.shape[1:]))
+            if noise > 0 and name.endswith("weight") and name.startswith("fc"):
+                param[i].add_(torch.randn(param.shape[1:], generator=generator), alpha=noise)
+
+
+@torch.no_grad()
+def compare(dense: nn.Module, model: nn.Module, input_size: tuple[int, int, int], source: str,
+            generator: torch.Generator, batch: int = 2) -> UpcycleReport:
+    """Max |logit difference| between the dense and the MoE model on one random batch, in eval mode."""
+    x = torch.randn((batch, *input_size), generator=generator)
+    dense_logits = dense.eval()(x)
+    moe_logits = model.eval()(x)
+    diff = (dense_logits - moe_logits).abs().max().item()
+    return UpcycleReport(source, diff, dense_logits.abs().max().item())

@@ -1,0 +1,127 @@
+"""The house rules, read from the code: one folder per stage, imports only downwards, no cycles, the spec stage
+free of torch and timm, lazy imports only where they defer real cost, and router kinds named in one place."""
+
+from __future__ import annotations
+
+import ast
+import re
+from collections import defaultdict
+from pathlib import Path
+
+import moespec
+from moespec.spec import ROUTER_KINDS
+
+PACKAGE = Path(moespec.__file__).parent
+
+STAGES = ["errors", "_version", "io", "layers", "spec", "routers", "backbones", "planning", "compiler", "weights",
+          "counting", "apps", "cli", "__init__"]
+"""Lowest first. A module may import its own stage and the stages before it, never one after it."""
+
+LAZY_ALLOWED = {"matplotlib"}
+"""Imports inside functions defer real cost only here: matplotlib is optional and slow to import."""
+
+
+def _modules() -> dict[str, Path]:
+    return {".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts).removesuffix(".__init__"): path
+            for path in PACKAGE.rglob("*.py")}
+
+
+def _imports(name: str, path: Path) -> list[tuple[str, ast.AST, bool]]:
+    """(imported moespec module or package, node, inside a function?) for every import of `name`."""
+    modules = _modules()
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    found = []
+    tree = ast.parse(path.read_text())
+    nested = {id(n) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+              for n in ast.walk(f)}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(parts + ([base] if base else []))
+            targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base for alias in node.names]
+        else:
+            continue
+        found += [(target, node, id(node) in nested) for target in targets]
+    return found
+
+
+def _stage(module: str) -> int:
+    parts = module.split(".")
+    return STAGES.index(parts[1] if len(parts) > 1 else "__init__")
+
+
+def _graph() -> dict[str, set[str]]:
+    modules, graph = _modules(), defaultdict(set)
+    for name, path in modules.items():
+        for target, _, _ in _imports(name, path):
+            while target and target not in modules:
+                target = target.rpartition(".")[0]
+            if target and target != name and target != "moespec":
+                graph[name].add(target)
+    return graph
+
+
+def test_every_module_belongs_to_a_stage():
+    assert sorted({m.split(".")[1] for m in _modules() if "." in m} - set(STAGES)) == []
+
+
+def test_no_stage_imports_a_later_one():
+    upward = [f"{name} imports {target}" for name, targets in _graph().items() for target in targets
+              if _stage(target) > _stage(name)]
+    assert upward == []
+
+
+def test_no_import_cycles():
+    graph, index, low, stack, cycles = _graph(), {}, {}, [], []
+
+    def visit(v: str) -> None:  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while not component or component[-1] != v:
+                component.append(stack.pop())
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for module in list(graph):
+        if module not in index:
+            visit(module)
+    assert cycles == []
+
+
+def test_the_spec_stage_imports_neither_torch_nor_timm():
+    heavy = [f"{name}: {target}" for name, path in _modules().items() if name.startswith("moespec.spec")
+             for target, _, _ in _imports(name, path) if target.split(".")[0] in ("torch", "timm", "fvcore")]
+    assert heavy == []
+
+
+def test_lazy_imports_only_defer_real_cost():
+    lazy = [f"{name}:{node.lineno}: {target}" for name, path in _modules().items()
+            for target, node, inside in _imports(name, path)
+            if inside and target.split(".")[0] not in LAZY_ALLOWED]
+    assert lazy == []
+
+
+def test_only_router_kind_files_branch_on_a_router_kind():
+    """Stages ask the RouterKind entry (`layer.kind.caveats(...)`); no module outside `routers/` compares a
+    router's kind with a name, and only `routers/` spells the kinds' names (the spec also names its default)."""
+    branch = re.compile(r"""kind["']?\]?\s*(==|!=|in\b)|\bisinstance\([^)]*SoftMoE""")
+    names = re.compile("|".join(rf"[\"']{re.escape(kind)}[\"']" for kind in ROUTER_KINDS if kind != "image"))
+    outside = [path for path in PACKAGE.rglob("*.py") if path.parent.name != "routers"]
+    branching = [f"{path.relative_to(PACKAGE)}:{number}: {line.strip()}" for path in outside
+                 for number, line in enumerate(path.read_text().splitlines(), 1)
+                 if branch.search(code := line.split("#")[0]) and "router" in code]
+    naming = sorted(str(path.relative_to(PACKAGE)) for path in outside if names.search(path.read_text()))
+    assert branching == []
+    assert naming == ["spec/models.py"]  # DEFAULT_ROUTER_KIND: a router without `kind` is top-k
