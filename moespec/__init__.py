@@ -7,7 +7,7 @@ One subpackage per stage, in dependency order: `spec`, `backbones`, `planning`, 
 """
 
 from . import routers  # noqa: F401  (registers the built-in router kinds before any spec is validated)
-from ._version import __version__
+from ._version import __version__ as __version__  # re-exported: moespec.__version__
 from .apps.timm_registry import register_timm
 from .compiler import create_model, moe_layers
 from .counting import stats

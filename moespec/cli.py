@@ -20,7 +20,8 @@ from . import create_model, load_spec, plan, save, stats, upcycle_to_checkpoint
 from .apps.inspect_report import check_report_output, write_report
 from .apps.inspection import find_images, inspect_routing, load_model
 from .apps.plots import check_figure_path, require_matplotlib
-from .apps.sweep import parse_setting, plot as draw, sweep
+from .apps.sweep import parse_setting, sweep
+from .apps.sweep import plot as draw
 from .counting import plan_table, render
 from .errors import MoespecError, SpecError
 from .io import DTYPE_NAMES, check_output, parse_size
@@ -59,18 +60,24 @@ def _run(action: Callable[[], int | None]) -> None:
         messages = [str(p) for p in error.problems] if isinstance(error, SpecError) else str(error).splitlines()
         for i, message in enumerate(messages):
             _error(("moespec: error: " if i == 0 or isinstance(error, SpecError) else "  ") + message)
-        raise typer.Exit(2)
+        raise typer.Exit(2) from None
     except KeyboardInterrupt:
         _error("moespec: interrupted")
-        raise typer.Exit(130)
+        raise typer.Exit(130) from None
     except Exception as error:  # a bug in moespec, not a user mistake
         if _debug:
             raise
         _error(f"moespec: internal error: {type(error).__name__}: {error}")
         _error("this is a bug in moespec; rerun with --debug for the traceback and report it")
-        raise typer.Exit(1)
+        raise typer.Exit(1) from None
     if code:
         raise typer.Exit(code)
+
+
+def _report_failure(file: Path, error: MoespecError) -> None:
+    """The problems of one spec of several, one line each; the other specs go on."""
+    for problem in error.problems if isinstance(error, SpecError) else [f"{file}: {error}"]:
+        _error(f"moespec: error: {problem}")
 
 
 @app.command()
@@ -78,16 +85,13 @@ def validate(specs: List[Path] = typer.Argument(..., help="Spec files or folders
     """Check specs against the schema and their timm backbones; report every problem."""
 
     def body() -> int:
-
         failed = 0
         for file in spec_files(specs):
             try:
                 p = plan(load_spec(file))
             except MoespecError as error:
                 failed += 1
-                problems = error.problems if isinstance(error, SpecError) else [f"{file}: {error}"]
-                for problem in problems:
-                    _error(f"moespec: error: {problem}")
+                _report_failure(file, error)
                 continue
             out.print(f"ok: {file} ({p.model}, {len(p.layers)} MoE layers)", markup=False)
         return 2 if failed else 0
@@ -100,7 +104,6 @@ def plan_command(spec: Path = typer.Argument(..., help="Spec file.")) -> None:
     """Show which FFNs become MoE layers, with their widths, experts, k and router."""
 
     def body() -> None:
-
         p = plan(load_spec(spec))
         out.print(p.summary(), markup=False, soft_wrap=True)
         out.print(plan_table(p))
@@ -120,7 +123,6 @@ def compile_command(
     """Build the MoE model with random weights and save it (spec embedded)."""
 
     def body() -> None:
-
         check_output(output, force)
         model = create_model(load_spec(spec), seed=seed)
         save(model, output, force=force)
@@ -137,8 +139,8 @@ DType = Enum("DType", {name: name for name in ("fp32", "bf16", "fp16")}, type=st
 def progress(description: str):
     """A rich progress bar on stderr while the block runs, fed by the `update(item, done, total)` it yields.
     Silent when stderr is not a terminal (piped, redirected) and under `--quiet`."""
-    bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[item]}"),
-                   TimeElapsedColumn(), console=Console(stderr=True), transient=True,
+    bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                   TextColumn("{task.fields[item]}"), TimeElapsedColumn(), console=Console(stderr=True), transient=True,
                    disable=_quiet or not sys.stderr.isatty())
     task = bar.add_task(description, total=None, item="")
     with bar:
@@ -148,22 +150,22 @@ def progress(description: str):
 @app.command("upcycle")
 def upcycle_command(
     spec: Path = typer.Argument(..., help="Spec file."),
-    output: Path = typer.Option(..., "-o", "--output",
-                                help="Output .safetensors file; beyond --max-shard-size, shards and an index next to it."),
-    checkpoint: Optional[Path] = typer.Option(None, "--checkpoint", "-c",
-                                              help="Dense checkpoint (.safetensors/.pth/.bin); default: the spec's backbone."),
+    output: Path = typer.Option(
+        ..., "-o", "--output",
+        help="Output .safetensors file; beyond --max-shard-size, shards and an index next to it."),
+    checkpoint: Optional[Path] = typer.Option(
+        None, "--checkpoint", "-c", help="Dense checkpoint (.safetensors/.pth/.bin); default: the spec's backbone."),
     dtype: DType = typer.Option(DType.fp32, "--dtype", help="Precision of the written weights."),
     max_shard_size: str = typer.Option("2GB", "--max-shard-size", help="Largest file to write, e.g. 2GB, 500MB, 1GiB."),
     force: bool = typer.Option(False, "--force", help="Overwrite an existing output."),
     check: bool = typer.Option(True, "--check/--no-check", help="Compare the result with the dense model."),
     seed: int = typer.Option(0, help="Seed for router init and expert noise."),
-    trust_pickle: bool = typer.Option(False, "--trust-pickle",
-                                      help="Unpickle a .pth/.bin checkpoint that is not plain tensors (runs its code)."),
+    trust_pickle: bool = typer.Option(
+        False, "--trust-pickle", help="Unpickle a .pth/.bin checkpoint that is not plain tensors (runs its code)."),
 ) -> None:
     """Build the MoE model with experts copied from a dense checkpoint and save it, one layer at a time."""
 
     def body() -> None:
-
         limit = parse_size(max_shard_size, "--max-shard-size")
         check_output(output, force)
         loaded = load_spec(spec)
@@ -202,7 +204,6 @@ def stats_command(
     """
 
     def body() -> int:
-
         records, failed = [], 0
         files = spec_files(specs)
         with progress("counting") as advance:
@@ -212,8 +213,7 @@ def stats_command(
                     records.append(stats(load_spec(file), input_size=input_size))
                 except MoespecError as error:
                     failed += 1
-                    for problem in (error.problems if isinstance(error, SpecError) else [f"{file}: {error}"]):
-                        _error(f"moespec: error: {problem}")
+                    _report_failure(file, error)
             advance("", len(files), len(files))
         if records:
             sys.stdout.write(render(records, format.value, per_layer=per_layer))
@@ -230,9 +230,11 @@ def sweep_command(
         help="Values to try at a dotted path of the spec, e.g. moe.0.experts=4,8,16 or 'moe.0.where={every: 2},"
              "{last: 2}' (YAML values; commas inside {} [] and quotes do not split). Repeat for a grid.")],
     format: Annotated[Format, typer.Option("--format", "-f", help="Output format.")] = Format.table,
-    per_layer: Annotated[bool, typer.Option("--per-layer", help="One row per MoE layer and per dense remainder.")] = False,
+    per_layer: Annotated[bool, typer.Option(
+        "--per-layer", help="One row per MoE layer and per dense remainder.")] = False,
     plot: Annotated[Optional[Path], typer.Option(
-        "--plot", help="Draw activated GMACs against total parameters (.png, .svg or .pdf), with the Pareto front.")] = None,
+        "--plot", help="Draw activated GMACs against total parameters (.png, .svg or .pdf), with the Pareto front."
+    )] = None,
     force: Annotated[bool, typer.Option("--force", help="Overwrite an existing --plot file.")] = False,
     input_size: Annotated[Optional[Tuple[int, int, int]], typer.Option(
         "--input-size", metavar="C H W", help="Override the spec's input size.")] = None,
@@ -243,7 +245,6 @@ def sweep_command(
     """
 
     def body() -> int:
-
         parsed = [parse_setting(text) for text in settings]
         if plot is not None:
             require_matplotlib("moespec sweep --plot")
@@ -279,7 +280,6 @@ def inspect_command(
     """Route labelled images through the model and show, per MoE layer, which experts each class uses."""
 
     def body() -> None:
-
         require_matplotlib("moespec inspect")
         check_report_output(output, force)
         folder = find_images(images, limit)
@@ -302,7 +302,6 @@ def schema_command() -> None:
     """Print the JSON Schema of spec files (what moespec/spec.schema.json holds, for editors)."""
 
     def body() -> None:
-
         sys.stdout.write(json_schema_text())
 
     _run(body)

@@ -62,10 +62,10 @@ def layer_bench(device, dtype, quick: bool) -> list[dict]:
         dense = Mlp(dim, top_k * 4 * dim).to(device, dtype)  # equal activated FLOPs
         x = torch.randn(1, tokens, dim, device=device, dtype=dtype, requires_grad=True)
 
-        def fwd(m):
+        def fwd(m, x=x):
             return lambda: m(x)
 
-        def fwd_bwd(m):
+        def fwd_bwd(m, x=x):
             return lambda: m(x).float().square().mean().backward()
 
         repeats = 10 if tokens > 1000 else 30
@@ -94,7 +94,7 @@ def soft_bench(device, dtype, quick: bool) -> list[dict]:
     for name, experts, per_expert in series:
         layer = SoftMoE(Experts(experts, dim, 4 * dim, dim, act=nn.GELU()), per_expert).to(device, dtype)
         with torch.no_grad():
-            ms = statistics.median(_time(lambda: layer(x), 5 if experts > 256 else 10))
+            ms = statistics.median(_time(lambda layer=layer: layer(x), 5 if experts > 256 else 10))
         first = next(r for r in rows + [{"series": name, "fwd_ms": ms}] if r["series"] == name)
         rows.append({"series": name, "experts": experts, "slots": experts * per_expert, "fwd_ms": ms})
         print(f"soft   {name:19s} E={experts:5d} slots={experts * per_expert:5d}: fwd {ms:8.2f} ms "
@@ -112,14 +112,15 @@ def model_bench(device, dtype, quick: bool) -> list[dict]:
         gmacs = {n: moespec.stats(s).gmacs for n, s in specs.items()}
         x = torch.randn(batch, 3, 224, 224, device=device, dtype=dtype)
         with torch.no_grad():
-            ms = interleaved({n: (lambda m=m: m(x)) for n, m in models.items()}, 3 if quick else 5)
+            ms = interleaved({n: (lambda m=m, x=x: m(x)) for n, m in models.items()}, 3 if quick else 5)
         throughput = {n: batch / (t / 1e3) for n, t in ms.items()}
         figure = throughput[moe_name] / throughput[dense_name] / (gmacs[dense_name] / gmacs[moe_name])
         rows.append({"moe": moe_name, "dense": dense_name, "batch": batch, "moe_img_s": throughput[moe_name],
                      "dense_img_s": throughput[dense_name], "moe_gmacs": gmacs[moe_name],
                      "dense_gmacs": gmacs[dense_name], "overhead_figure": figure})
         print(f"model {moe_name}: {throughput[moe_name]:.1f} img/s vs {throughput[dense_name]:.1f} img/s dense; "
-              f"GMACs {gmacs[moe_name]:.2f} vs {gmacs[dense_name]:.2f}; figure {figure:.3f} (1.0 = no overhead)", flush=True)
+              f"GMACs {gmacs[moe_name]:.2f} vs {gmacs[dense_name]:.2f}; figure {figure:.3f} (1.0 = no overhead)",
+              flush=True)
     return rows
 
 
@@ -136,7 +137,8 @@ def main() -> None:
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     parts = args.only or ["layer", "soft", "model"]
     Experts.dispatch = args.dispatch
-    results = {"device": args.device, "dtype": args.dtype, "dispatch": args.dispatch, "threads": torch.get_num_threads()}
+    results = {"device": args.device, "dtype": args.dtype, "dispatch": args.dispatch,
+               "threads": torch.get_num_threads()}
     for part, fn in (("layer", layer_bench), ("soft", soft_bench), ("model", model_bench)):
         if part in parts:
             results[part] = fn(args.device, dtype, args.quick)

@@ -75,7 +75,8 @@ def make_sweep(out: Path) -> None:
 def make_inspect(out: Path) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         images = synthetic_images(Path(tmp) / "images")
-        report = inspect_routing(load_model(INSPECT_SPEC), find_images(images), source=str(INSPECT_SPEC.relative_to(ROOT)))
+        source = str(INSPECT_SPEC.relative_to(ROOT))
+        report = inspect_routing(load_model(INSPECT_SPEC), find_images(images), source=source)
         folder = write_report(report, Path(tmp) / "report")
         layer = report.layers[INSPECT_LAYER]
         for kind in ("routing", "load"):

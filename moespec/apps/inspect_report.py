@@ -74,7 +74,8 @@ def _html(report: RoutingReport, summary: dict[str, Any]) -> str:
         f"<h1>What the experts do: {e(report.model)}</h1>",
         "<table>",
         f"<tr><th>model</th><td>{e(report.source)}</td></tr>",
-        f"<tr><th>input</th><td>{e(str(list(report.input_size)))}, timm data config {e(json.dumps(report.data_config))}</td></tr>",
+        f"<tr><th>input</th><td>{e(str(list(report.input_size)))}, timm data config "
+        f"{e(json.dumps(report.data_config))}</td></tr>",
         f"<tr><th>images</th><td>{sum(report.images_per_class)} in {len(report.classes)} classes: {counts}</td></tr>",
     ]
     if report.skipped:

@@ -31,8 +31,8 @@ from torch import nn
 from ..compiler import create_model, moe_layers
 from ..errors import MoespecError
 from ..spec import load_spec
-from ..spec.registry import router_kind
 from ..spec.loading import SPEC_SUFFIXES
+from ..spec.registry import router_kind
 from ..weights import load
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm", ".pgm")

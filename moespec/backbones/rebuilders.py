@@ -46,7 +46,8 @@ def find_rebuilder(block: nn.Module) -> BlockRebuilder | None:
 
 @register_rebuilder(MixerBlock, token_sublayer="mlp_tokens", channel_sublayer="mlp_channels",
                     shape=lambda block: (block.mlp_tokens.fc1.in_features, block.mlp_channels.fc1.in_features))
-def _rebuild_mixer_block(block: MixerBlock, tokens: int, channels: int, token_hidden: int, channel_hidden: int) -> MixerBlock:
+def _rebuild_mixer_block(block: MixerBlock, tokens: int, channels: int, token_hidden: int,
+                         channel_hidden: int) -> MixerBlock:
     """A fresh MixerBlock at [tokens, channels], with the same norm, activation, dropout and drop-path."""
     mlp, norm = block.mlp_tokens, block.norm1
     new = MixerBlock(channels, tokens, mlp_ratio=(1.0, 1.0), mlp_layer=type(mlp), act_layer=type(mlp.act),

@@ -14,7 +14,9 @@ def build_moe(layer: LayerPlan, dense_ffn: nn.Module) -> nn.Module:
     """An MoE layer with the structure of `dense_ffn` at the plan's widths, freshly initialized."""
     adapter = adapter_named(layer.family)
     experts = adapter.build_experts(dense_ffn, layer.experts, layer.expert_hidden)
-    shared = adapter.build_experts(dense_ffn, layer.shared_experts, layer.expert_hidden) if layer.shared_experts else None
+    shared = None
+    if layer.shared_experts:
+        shared = adapter.build_experts(dense_ffn, layer.shared_experts, layer.expert_hidden)
     return layer.kind.build(layer.router, layer, experts, shared)
 
 

@@ -52,8 +52,8 @@ def rescale_blocks(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
         with torch.device(next(old.parameters()).device):
             new = find_rebuilder(old).rebuild(old, rescale.rescaled_tokens, rescale.rescaled_channels,
                                               rescale.token_hidden, rescale.channel_hidden)
-            new.rescale_in = Rescale(rescale.tokens, rescale.channels, rescale.rescaled_tokens, rescale.rescaled_channels)
-            new.rescale_out = Rescale(rescale.rescaled_tokens, rescale.rescaled_channels, rescale.tokens, rescale.channels)
+            shape, rescaled = (rescale.tokens, rescale.channels), (rescale.rescaled_tokens, rescale.rescaled_channels)
+            new.rescale_in, new.rescale_out = Rescale(*shape, *rescaled), Rescale(*rescaled, *shape)
         gm.delete_submodule(rescale.block)
         gm.add_submodule(rescale.block, new)
         for call in calls:

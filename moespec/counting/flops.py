@@ -27,7 +27,6 @@ with warnings.catch_warnings():  # fvcore scripts a focal loss at import; torch 
 
 from ..layers import MOE_LAYERS
 
-
 FLOP_HANDLES: dict[str, Callable[[list[Any], list[Any]], int]] = {}
 """Op handles added to fvcore's defaults (op name -> fn(inputs, outputs) -> MACs)."""
 

@@ -39,7 +39,8 @@ def layer_rows(records: Sequence[SpecStats]) -> list[tuple[str, ...]]:
         for layer in s.layers:
             executed = f"{layer.executed_gmacs:.3f}" if layer.executed_gmacs is not None else "-"
             rows.append((s.name, layer.path, str(layer.experts), str(layer.top_k), str(layer.shared_experts),
-                         str(layer.items), _m(layer.params), _m(layer.activated_params), f"{layer.gmacs:.3f}", executed))
+                         str(layer.items), _m(layer.params), _m(layer.activated_params), f"{layer.gmacs:.3f}",
+                         executed))
         rest_params = s.total_params - sum(layer.params for layer in s.layers)
         rest_gmacs = s.gmacs - sum(layer.gmacs for layer in s.layers)
         rows.append((s.name, "(dense remainder)", "-", "-", "-", "-", _m(rest_params), _m(rest_params),

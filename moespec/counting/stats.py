@@ -1,6 +1,6 @@
 """Stats: total / activated parameters and MACs of a spec, and of its dense backbone for comparison.
 
-Counting rules (BRIEF.md §7):
+Counting rules, as the papers count:
 - parameters are counted from the built model, each shared tensor once, buffers never;
 - activated parameters per routed item = everything outside MoE layers + routers + shared experts + top_k
   routed experts per MoE layer;

@@ -6,10 +6,24 @@
 """
 
 from .atomic import atomic_output, check_output, default_mode, remove_stale_temp_files
-from .safetensors import (DTYPE_NAMES, SAFETENSORS_DTYPES, TensorInfo, read_safetensors_header, read_safetensors_into,
-                          safetensors_shapes, write_safetensors)
-from .sharding import (DEFAULT_MAX_SHARD_SIZE, checkpoint_files, index_file, parse_size, shard_files, shard_layout,
-                       write_sharded)
+from .safetensors import (
+                          DTYPE_NAMES,
+                          SAFETENSORS_DTYPES,
+                          TensorInfo,
+                          read_safetensors_header,
+                          read_safetensors_into,
+                          safetensors_shapes,
+                          write_safetensors,
+)
+from .sharding import (
+                          DEFAULT_MAX_SHARD_SIZE,
+                          checkpoint_files,
+                          index_file,
+                          parse_size,
+                          shard_files,
+                          shard_layout,
+                          write_sharded,
+)
 
 __all__ = ["DEFAULT_MAX_SHARD_SIZE", "DTYPE_NAMES", "SAFETENSORS_DTYPES", "TensorInfo", "atomic_output", "check_output",
            "checkpoint_files", "default_mode", "index_file", "parse_size", "read_safetensors_header",

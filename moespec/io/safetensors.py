@@ -100,7 +100,8 @@ def write_safetensors(file: Path, infos: Sequence[TensorInfo], tensor: Callable[
         for info in infos:
             t = tensor(info)
             if tuple(t.shape) != info.shape or t.dtype != info.dtype:
-                raise RuntimeError(f"{info.name}: got {tuple(t.shape)} {t.dtype}, laid out as {info.shape} {info.dtype}")
+                raise RuntimeError(f"{info.name}: got {tuple(t.shape)} {t.dtype}, laid out as {info.shape} "
+                                   f"{info.dtype}")
             f.write(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())  # no copy of the bytes
 
 

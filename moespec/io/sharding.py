@@ -76,10 +76,10 @@ def write_sharded(path: str | Path, infos: Sequence[TensorInfo], tensor: Callabl
         if len(files) > 1:  # entered first, renamed last: the index marks a complete output
             index = stack.enter_context(atomic_output(index_file(path), force=force))
         temps = [stack.enter_context(atomic_output(file, force=force)) for file in files]
-        for temp, shard in zip(temps, layout):
+        for temp, shard in zip(temps, layout, strict=True):
             write_safetensors(temp, shard, tensor, metadata)
         if index is not None:
-            weight_map = {info.name: file.name for file, shard in zip(files, layout) for info in shard}
+            weight_map = {info.name: file.name for file, shard in zip(files, layout, strict=True) for info in shard}
             index.write_text(json.dumps({"metadata": {**metadata, "total_size": total}, "weight_map": weight_map},
                                         indent=2))
     _remove_old_layout(path, keep=set(files) | {index_file(path)} if len(files) > 1 else {path})

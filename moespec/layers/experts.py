@@ -45,7 +45,8 @@ class StackedLinear(nn.Module):
             nn.init.zeros_(self.bias)
 
     def extra_repr(self) -> str:
-        return f"experts={self.weight.shape[0]}, in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        return (f"experts={self.weight.shape[0]}, in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}")
 
 
 class StackedNorm(nn.Module):
@@ -163,7 +164,8 @@ class Experts(nn.Module):
                 continue
             rows = slice(start, start + count)
             segment_groups = groups[rows] if groups is not None else None
-            outputs.append(self._expert(x[rows], [p[expert] if p is not None else None for p in params], segment_groups))
+            weights = [p[expert] if p is not None else None for p in params]
+            outputs.append(self._expert(x[rows], weights, segment_groups))
             start += count
         if not outputs:
             return x.new_zeros(0, self.out_features)
@@ -257,7 +259,8 @@ def _layer_norm(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: 
     return torch.addcmul(bias, F.layer_norm(h, h.shape[-1:], eps=eps), weight)
 
 
-def _global_response_norm(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float, groups: torch.Tensor | None) -> torch.Tensor:
+def _global_response_norm(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float,
+                          groups: torch.Tensor | None) -> torch.Tensor:
     """ConvNeXt-V2 GRN (Woo et al. 2023) over the rows of each image: h + weight * (h * Nx) + bias.
 
     Gx is the L2 norm over an image's positions per channel, Nx = Gx / (mean_channels(Gx) + eps). h: [S, H].

@@ -1,4 +1,4 @@
-"""Sparse-MLP's rescale sub-layers (Lou et al. 2022; BRIEF.md §3)."""
+"""Sparse-MLP's rescale sub-layers (Lou et al. 2022, "Sparse-MLP")."""
 
 from __future__ import annotations
 

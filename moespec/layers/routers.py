@@ -188,7 +188,8 @@ class TopKRouter(nn.Module):
         return Routing(probs, logits, item, counts, pair_weights.to(x.dtype), experts[:, 0], weights[:, 0], load, kept)
 
 
-def _load(logits: torch.Tensor, noisy: torch.Tensor, top_k: int, noise_std: float, experts: torch.Tensor) -> torch.Tensor:
+def _load(logits: torch.Tensor, noisy: torch.Tensor, top_k: int, noise_std: float,
+          experts: torch.Tensor) -> torch.Tensor:
     """Load_i = sum over items of P(i is in the item's top-k). Without noise it is a count; with noise it is
     Shazeer's smooth estimate: Phi((clean_i - threshold) / std), the threshold being the k-th largest noisy
     logit among the other experts."""

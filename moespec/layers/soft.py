@@ -1,4 +1,4 @@
-"""Soft MoE (Puigcerver et al. 2024, "From Sparse to Soft Mixtures of Experts"; BRIEF.md §5).
+"""Soft MoE (Puigcerver et al. 2024, "From Sparse to Soft Mixtures of Experts").
 
 For each sequence X [N, C] of one image, with n experts of p slots each (S = n * p slots):
 
@@ -106,7 +106,8 @@ class SoftMoE(nn.Module):
         image; shared experts on every token. l2-normalization and softmax are elementwise (not counted)."""
         dim, out = self.experts.in_features, self.experts.out_features
         shared = self.shared.num_experts * self.shared.macs_per_item() if self.shared is not None else 0
-        return items * self.slots * (2 * dim + out) + images * self.slots * self.experts.macs_per_item() + items * shared
+        slot_ffns = images * self.slots * self.experts.macs_per_item()
+        return items * self.slots * (2 * dim + out) + slot_ffns + items * shared
 
     def executed_macs(self, items: int, images: int) -> None:
         return None

@@ -111,7 +111,7 @@ class Plan:
             return self.summary() + "\n(no MoE layers)"
         rows = [self.COLUMNS, *self.rows()]
         widths = [max(len(row[i]) for row in rows) for i in range(len(self.COLUMNS))]
-        lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+        lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
         return "\n".join([self.summary(), *lines])
 
 
@@ -184,8 +184,8 @@ def plan_for(spec: Spec, model: nn.Module) -> Plan:
         token_ffn, channel_ffn = f"{path}.{rebuilder.token_sublayer}", f"{path}.{rebuilder.channel_sublayer}"
         rescales.append(RescalePlan(
             path, index, tokens, channels, new_tokens, new_channels,
-            token_hidden=hidden.get(token_ffn, find_adapter(modules[token_ffn]).shape(modules[token_ffn]).hidden),
-            channel_hidden=hidden.get(channel_ffn, find_adapter(modules[channel_ffn]).shape(modules[channel_ffn]).hidden)))
+            token_hidden=hidden.get(token_ffn, _hidden(modules[token_ffn])),
+            channel_hidden=hidden.get(channel_ffn, _hidden(modules[channel_ffn]))))
     name = spec.name or spec.backbone.model
     return Plan(name, spec.backbone.model, layout, ordered, input_size_of(spec, model), tuple(rescales))
 
@@ -220,17 +220,21 @@ def _rescales(spec: Spec, layout: BlockLayout, modules: dict[str, nn.Module], pr
             tokens, channels = rebuilder.shape(modules[path])
             sizes = {"tokens": (rescale.tokens * tokens, tokens), "channels": (rescale.channels * channels, channels)}
             bad = False
-            for field, (exact, base) in sizes.items():
+            for axis, (exact, base) in sizes.items():
                 if abs(exact - round(exact)) > 1e-6 or round(exact) < 1:
                     problems.append(spec_problem(
-                        spec, f"rescale.{index}.{field}",
-                        f"{getattr(rescale, field)} x {base} {field} of {path} = {exact:g} is not a whole number; "
+                        spec, f"rescale.{index}.{axis}",
+                        f"{getattr(rescale, axis)} x {base} {axis} of {path} = {exact:g} is not a whole number; "
                         f"use a multiple of 1/{base}"))
                     bad = True
             if bad:
                 break
             rescaled[path] = (tokens, channels, round(sizes["tokens"][0]), round(sizes["channels"][0]), index)
     return rescaled
+
+
+def _hidden(ffn: nn.Module) -> int:
+    return find_adapter(ffn).shape(ffn).hidden
 
 
 def _rescaled_shape(block: str, sublayer: str, rescaled: dict, modules: dict[str, nn.Module]) -> FFNShape | None:

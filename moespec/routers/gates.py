@@ -19,7 +19,7 @@ DEFAULT_GATE_DIM, DEFAULT_TEMPERATURE = 16, 0.07  # cosine / l2 gates (X-MoE, Ch
 
 
 class Gate(SpecModel):
-    """How router logits are computed from an item (BRIEF.md §1).
+    """How router logits are computed from an item (Shazeer et al. 2017; X-MoE, Chi et al. 2022).
 
     `linear`: `W_g x` (a 1x1 conv on feature maps). `cosine`: project x to `dim`, cosine similarity with
     learned per-expert codes, divided by `temperature` (Chi et al. 2022). `l2`: the same with the negative L2

@@ -8,7 +8,7 @@ from typing import Any, ClassVar, Literal, Optional
 from ..errors import Problem, SpecError
 from ..layers import ImageRouter
 from ..spec.registry import Inspection, RouterKind, RouterSpec, register_router_kind
-from .gates import Gate, GateField, build_gate, describe_gate, routed_pairs, sparse_moe
+from .gates import Gate, GateField, build_gate, routed_pairs, sparse_moe
 
 
 class ImageRouterSpec(RouterSpec):

@@ -65,6 +65,6 @@ def caveats(router: dict, layer: Any) -> list[str]:
 TOPK = register_router_kind(RouterKind(
     spec=TopKRouterSpec, build=build, describe=describe, caveats=caveats,
     activated=lambda router, layer: (layer.top_k, "per token"),
-    inspect=Inspection(unit="token", name=lambda top_k: f"top-{top_k}", share_label="share of the class's tokens\nsent to the expert",
-                       tally=routed_pairs),
+    inspect=Inspection(unit="token", name=lambda top_k: f"top-{top_k}",
+                       share_label="share of the class's tokens\nsent to the expert", tally=routed_pairs),
 ))

@@ -11,7 +11,15 @@ from .fields import SpecModel
 from .loading import load_spec, located, read_document, spec_files, spec_problem
 from .models import DENSE_SUFFIXES, AuxLoss, Backbone, MoEGroup, RescaleSpec, Spec, Upcycle
 from .problems import allowed_keys
-from .registry import ROUTER_KINDS, SELECTORS, Inspection, RouterKind, RouterSpec, register_router_kind, register_selector
+from .registry import (
+           ROUTER_KINDS,
+           SELECTORS,
+           Inspection,
+           RouterKind,
+           RouterSpec,
+           register_router_kind,
+           register_selector,
+)
 from .schema import SCHEMA_FILE, json_schema, json_schema_text
 
 __all__ = ["DENSE_SUFFIXES", "ROUTER_KINDS", "SCHEMA_FILE", "SELECTORS", "AuxLoss", "Backbone", "Block", "BlockLayout",

@@ -20,8 +20,16 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Optional, Union
 
 import yaml
-from pydantic import (BeforeValidator, Discriminator, Field, PrivateAttr, Tag, ValidationInfo, field_validator,
-                      model_validator)
+from pydantic import (
+    BeforeValidator,
+    Discriminator,
+    Field,
+    PrivateAttr,
+    Tag,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 from pydantic.fields import FieldInfo
 
 from .fields import NonNegativeFloat, NonNegativeInt, OneOrList, PositiveFloat, PositiveInt, SpecModel
@@ -112,7 +120,7 @@ class MoEGroup(SpecModel):
     @model_validator(mode="before")
     @classmethod
     def _no_default_aux_loss_without_balancing(cls, data: Any) -> Any:
-        """A router without load balancing (Soft MoE, BRIEF.md §5) has no default aux loss."""
+        """A router without load balancing (Soft MoE, Puigcerver et al. 2024) has no default aux loss."""
         if isinstance(data, dict) and "aux_loss" not in data:
             kind = ROUTER_KINDS.get(router_kind_of(data.get("router") or {}))
             if kind is not None and not kind.spec.load_balanced:
@@ -173,7 +181,7 @@ class Upcycle(SpecModel):
 
 
 class RescaleSpec(SpecModel):
-    """Sparse-MLP rescale (BRIEF.md §3): each selected block is rebuilt at [S1, C1] = [tokens * S, channels * C],
+    """Sparse-MLP rescale (Lou et al. 2022): each selected block is rebuilt at [S1, C1] = [tokens * S, channels * C],
     wrapped by a pro-token rescale [S, C] -> [S1, C1] before it and a pro-channel rescale back after it."""
 
     where: Any

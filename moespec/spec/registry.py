@@ -80,8 +80,9 @@ class RouterKind:
     activated: (router, layer) -> (routed experts one item uses, what an item is) for activated params. MACs
                are the built module's `activated_macs` / `executed_macs`: it knows what it runs.
     inspect:   what `moespec inspect` counts.
-    resolve:   (router, dense model, its timm name) -> the router with the defaults that depend on the model filled in; a
-               `SpecError` whose problems name fields of the router (`pool`) when the model does not fit.
+    resolve:   (router, dense model, its timm name) -> the router with the defaults that depend on the model
+               filled in; a `SpecError` whose problems name fields of the router (`pool`) when the model does
+               not fit.
     """
 
     spec: type[RouterSpec]

@@ -57,7 +57,8 @@ def load_yaml(text: str, file: str) -> tuple[Any, Positions]:
         message = f"invalid YAML: {err.problem or err.context}"
         if mark is not None and "\t" in text.splitlines()[min(mark.line, len(text.splitlines()) - 1)]:
             message += "; indent with spaces, YAML does not allow tabs"
-        raise SpecError(Problem(message, file=file, line=mark.line + 1 if mark else None, column=mark.column + 1 if mark else None)) from None
+        line, column = (mark.line + 1, mark.column + 1) if mark else (None, None)
+        raise SpecError(Problem(message, file=file, line=line, column=column)) from None
     except yaml.YAMLError as err:
         raise SpecError(Problem(f"invalid YAML: {' '.join(str(err).split())}", file=file)) from None
     finally:

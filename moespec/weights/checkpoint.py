@@ -16,8 +16,14 @@ from torch import nn
 from .._version import __version__
 from ..compiler import create_model
 from ..errors import CheckpointError, MoespecError
-from ..io import (DEFAULT_MAX_SHARD_SIZE, TensorInfo, checkpoint_files, read_safetensors_into, safetensors_shapes,
-                  write_sharded)
+from ..io import (
+    DEFAULT_MAX_SHARD_SIZE,
+    TensorInfo,
+    checkpoint_files,
+    read_safetensors_into,
+    safetensors_shapes,
+    write_sharded,
+)
 from ..spec import Spec, load_spec
 from .dense import check_state_dict
 
@@ -46,7 +52,8 @@ def output_dtype(dtype: torch.dtype, target: torch.dtype | None) -> torch.dtype:
 def spec_metadata(spec: Spec) -> dict[str, str]:
     """The header metadata of a moespec checkpoint: the spec YAML, its sha256 and the moespec version."""
     spec_yaml = spec.to_yaml()
-    return {SPEC_KEY: spec_yaml, SPEC_HASH_KEY: hashlib.sha256(spec_yaml.encode()).hexdigest(), VERSION_KEY: __version__}
+    digest = hashlib.sha256(spec_yaml.encode()).hexdigest()
+    return {SPEC_KEY: spec_yaml, SPEC_HASH_KEY: digest, VERSION_KEY: __version__}
 
 
 def read_spec(path: str | Path) -> Spec:

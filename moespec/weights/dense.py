@@ -28,14 +28,16 @@ def read_state_dict(path: str | Path, *, trust_pickle: bool = False) -> dict[str
     if not path.is_file():
         raise CheckpointError(f"{path}: no such checkpoint file")
     if path.suffix not in DENSE_SUFFIXES:
-        raise CheckpointError(f"{path}: unknown checkpoint type {path.suffix!r}; expected one of {', '.join(DENSE_SUFFIXES)}")
+        raise CheckpointError(f"{path}: unknown checkpoint type {path.suffix!r}; expected one of "
+                              f"{', '.join(DENSE_SUFFIXES)}")
     try:
         if path.suffix == ".safetensors":
             state = load_file(str(path))
         else:
             state = torch.load(path, map_location="cpu", weights_only=not trust_pickle)
     except (SafetensorError, RuntimeError, EOFError, OSError, ValueError) as err:
-        raise CheckpointError(f"{path}: cannot read checkpoint ({type(err).__name__}: {err}); is it truncated or not a checkpoint?") from None
+        raise CheckpointError(f"{path}: cannot read checkpoint ({type(err).__name__}: {err}); is it truncated or not "
+                              f"a checkpoint?") from None
     except Exception as err:  # torch.load's weights_only refusals are pickle.UnpicklingError
         first = str(err).strip().splitlines()[-1] if str(err).strip() else err.__class__.__name__
         raise CheckpointError(f"{path}: refused to unpickle ({first[:200]}); moespec loads plain tensors only. If you "
@@ -62,7 +64,8 @@ def check_state_dict(state: Mapping[str, torch.Tensor | tuple[int, ...]], refere
                   for k in expected if k in shapes and shapes[k] != expected[k]]
     if missing or unexpected or mismatched:
         lines = [f"{what} does not fit the backbone:"]
-        for title, items in (("missing keys", missing), ("unexpected keys", unexpected), ("shape mismatches", mismatched)):
+        found = (("missing keys", missing), ("unexpected keys", unexpected), ("shape mismatches", mismatched))
+        for title, items in found:
             if items:
                 more = f" (+{len(items) - 5} more)" if len(items) > 5 else ""
                 lines.append(f"  {len(items)} {title}: {', '.join(items[:5])}{more}")

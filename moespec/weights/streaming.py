@@ -23,7 +23,8 @@ from .upcycle import UpcycleReport, caveats, compare, upcycle_layer
 def upcycle_to_checkpoint(spec: Spec, output: str | Path, *, checkpoint: str | Path | None = None, seed: int = 0,
                           dtype: torch.dtype | None = None, max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
                           force: bool = False, check: bool = True, trust_pickle: bool = False,
-                          on_layer: Callable[[str, int, int], None] | None = None) -> tuple[list[Path], UpcycleReport | None]:
+                          on_layer: Callable[[str, int, int], None] | None = None,
+                          ) -> tuple[list[Path], UpcycleReport | None]:
     """Upcycle `spec` straight into a (sharded) safetensors checkpoint at `output`, streaming.
 
     The MoE layers are built on the meta device; while the shards are written, each layer is materialized,
@@ -76,7 +77,8 @@ class _LayerStream:
         self.max_diff = self.max_output = 0.0
         names = list(model.state_dict())
         self.owner = {name: path for name in names for path in self.layers if name.startswith(path + ".")}
-        self.last = {path: name for name, path in self.owner.items()}  # state-dict order: a layer's names are contiguous
+        # state-dict order: a layer's names are contiguous, so its last name is where it can be freed
+        self.last = {path: name for name, path in self.owner.items()}
 
     def tensor(self, name: str, state: dict[str, torch.Tensor]) -> torch.Tensor:
         path = self.owner.get(name)
