@@ -17,12 +17,12 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from . import create_model, load_spec, plan, save, stats, upcycle_to_checkpoint
-from .apps.inspect_report import check_report_output, write_report
+from .apps.inspect_report import write_report
 from .apps.inspection import find_images, inspect_routing, load_model
 from .apps.plots import check_figure_path, require_matplotlib
 from .apps.sweep import parse_setting, sweep
 from .apps.sweep import plot as draw
-from .counting import plan_table, render
+from .counting import FORMATS, plan_table, render
 from .errors import MoespecError, SpecError
 from .io import DTYPE_NAMES, check_output, parse_size
 from .spec import json_schema_text, spec_files
@@ -131,7 +131,7 @@ def compile_command(
     _run(body)
 
 
-DType = Enum("DType", {name: name for name in ("fp32", "bf16", "fp16")}, type=str)
+DType = Enum("DType", {name: name for name in DTYPE_NAMES}, type=str)
 """`--dtype` choices: the names of `io.DTYPE_NAMES`."""
 
 
@@ -183,11 +183,8 @@ def upcycle_command(
     _run(body)
 
 
-class Format(str, Enum):
-    table = "table"
-    markdown = "markdown"
-    csv = "csv"
-    json = "json"
+Format = Enum("Format", {name: name for name in FORMATS}, type=str)
+"""`--format` choices: the renderers of `counting.render`."""
 
 
 @app.command("stats")
@@ -281,7 +278,7 @@ def inspect_command(
 
     def body() -> None:
         require_matplotlib("moespec inspect")
-        check_report_output(output, force)
+        check_output(output, force, folder=True)
         folder = find_images(images, limit)
         model = load_model(source, seed=seed)
         with progress("routing images") as advance:

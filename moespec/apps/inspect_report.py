@@ -8,15 +8,10 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ..io import atomic_output, check_output
+from ..io import atomic_output
 from ..spec.registry import router_kind
 from .inspection import LayerRouting, RoutingReport
 from .plots import load_figure, routing_heatmap, save_figure
-
-
-def check_report_output(output: Path, force: bool) -> None:
-    """Fail before any work if the report folder cannot be written."""
-    check_output(output, force, folder=True)
 
 
 def write_report(report: RoutingReport, output: str | Path, *, force: bool = False) -> Path:

@@ -26,7 +26,7 @@ INSTALL_HINT = "pip install 'moespec[plot]'"
 def require_matplotlib(what: str) -> None:
     """Fail with an install hint, before any work, when matplotlib is missing."""
     try:
-        import matplotlib  # noqa: F401
+        import matplotlib  # noqa: F401  (lazy: optional, and about a second to import)
     except ImportError:
         raise MoespecError(f"{what} needs matplotlib, which is not installed; {INSTALL_HINT}") from None
 
@@ -39,7 +39,7 @@ def check_figure_path(path: Path, force: bool) -> None:
 
 
 def new_figure(width: float, height: float) -> "Figure":
-    from matplotlib.figure import Figure
+    from matplotlib.figure import Figure  # lazy: optional, and about a second to import
 
     return Figure(figsize=(width, height), layout="constrained")
 
@@ -56,7 +56,7 @@ def sweep_figure(title: str, points: Sequence[tuple[str, float, float]], front: 
                  dense: Sequence[tuple[str, float, float]]) -> "Figure":
     """Activated GMACs against total parameters (M): one labelled dot per `(label, params_m, gmacs)`, the
     Pareto front (indices into `points`) joined by a line, and the dense backbone(s) as stars."""
-    from matplotlib.ticker import FuncFormatter
+    from matplotlib.ticker import FuncFormatter  # lazy: optional, and about a second to import
 
     figure = new_figure(8.0, 5.2)
     axes = figure.add_subplot()
