@@ -19,7 +19,7 @@ import moespec
 
 SPECS_DIR = Path(__file__).resolve().parent.parent / "specs"
 
-# Hypothesis budgets (tests/test_fuzz_specs.py): "ci" is small, fixed and reproducible; "long" explores.
+# Hypothesis budgets (tests/spec/test_fuzz_specs.py): "ci" is small, fixed and reproducible; "long" explores.
 # Pick one with MOESPEC_FUZZ=long or `pytest --hypothesis-profile=long`. No example database is written.
 settings.register_profile("ci", max_examples=100, deadline=None, derandomize=True, database=None,
                           suppress_health_check=[HealthCheck.too_slow])

@@ -17,10 +17,10 @@ import pytest
 import torch
 
 import moespec
-from moespec.io import atomic_output
-from moespec.weights import SPEC_HASH_KEY, SPEC_KEY, read_state_dict
 from moespec.errors import CheckpointError
+from moespec.io import atomic_output
 from moespec.layers import MOE_LAYERS
+from moespec.weights import SPEC_HASH_KEY, SPEC_KEY, read_state_dict
 
 from .conftest import TINY_INPUT, TINY_VIT, make_spec
 

@@ -8,8 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from moespec.layers import (Experts, ExpertChoiceRouter, ImageRouter, LinearGate, MoE, ProjectedGate, SoftMoE,
-                            TopKRouter)
+from moespec.layers import ExpertChoiceRouter, Experts, ImageRouter, LinearGate, MoE, ProjectedGate, SoftMoE, TopKRouter
 
 
 class FixedGate(nn.Module):

@@ -8,9 +8,10 @@ import pytest
 
 import moespec
 from moespec import SpecError, load_spec
-from .conftest import line_of, write
 
-EXAMPLE = Path(__file__).parent / "data" / "example_spec.yaml"
+from ..conftest import line_of, write
+
+EXAMPLE = Path(__file__).parent.parent / "data" / "example_spec.yaml"
 
 VIT = "vit_small_patch16_224"  # 12 blocks `blocks.i`, one stage
 CONVNEXT = "convnext_tiny"  # stages of 3, 3, 9, 3 blocks at `stages.s.blocks.b`

@@ -15,10 +15,10 @@ from PIL import Image
 from typer.testing import CliRunner
 
 import moespec
-from moespec.cli import app
-from moespec.errors import MoespecError
 from moespec.apps.inspect_report import write_report
 from moespec.apps.inspection import class_order, data_transform, find_images, inspect_routing, load_model
+from moespec.cli import app
+from moespec.errors import MoespecError
 
 SPEC = """\
 # a tiny ViT with one MoE layer of each router kind

@@ -12,7 +12,7 @@ from moespec.backbones import create_backbone
 from moespec.layers import MoE
 from moespec.weights import upcycle_with_report
 
-from .conftest import SPECS_DIR, line_of, randomize, write
+from ..conftest import SPECS_DIR, line_of, randomize, write
 
 # A small Mixer: 3 blocks, C = 64, 64 px images of 16 px patches -> S = 16; D_S = 32, D_C = 256 (ratios 0.5, 4).
 MIXER = {"model": "mixer_b16_224", "kwargs": {"num_blocks": 3, "embed_dim": 64, "img_size": 64, "num_classes": 10}}

@@ -11,14 +11,12 @@ import sys
 import pytest
 from typer.testing import CliRunner
 
-from moespec.cli import app
-from moespec.errors import MoespecError
-from moespec.counting import render
-from moespec.counting import SpecStats
 from moespec.apps.sweep import Setting, assign, check_settings, grid, pareto_front, parse_setting, split_values, sweep
+from moespec.cli import app
+from moespec.counting import SpecStats, render
+from moespec.errors import MoespecError
 
-from .conftest import TINY_SPEC_YAML
-
+from ..conftest import TINY_SPEC_YAML
 
 
 @pytest.mark.parametrize("text,values", [

@@ -11,7 +11,7 @@ from moespec.compiler import compile_model
 from moespec.counting.flops import MATMUL_LIKE, count_macs
 from moespec.planning import plan_for
 
-from .conftest import SPECS_DIR, TINY_INPUT, TINY_VIT, make_spec
+from ..conftest import SPECS_DIR, TINY_INPUT, TINY_VIT, make_spec
 
 SPECS = sorted(SPECS_DIR.glob("*.yaml"))
 

@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from moespec import MoespecError, Spec, SpecError, load_spec, plan
 from moespec.spec import ROUTER_KINDS
 
-from .conftest import SPECS_DIR
+from ..conftest import SPECS_DIR
 
 SHIPPED = [path.read_text(encoding="utf-8") for path in sorted(SPECS_DIR.glob("*.yaml"))]
 DOCUMENTS = [yaml.safe_load(text) for text in SHIPPED]

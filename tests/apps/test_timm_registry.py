@@ -13,7 +13,7 @@ import torch.nn.functional as F
 import moespec
 import moespec.apps.timm_registry
 
-from .conftest import TINY_VIT, make_spec, randomize
+from ..conftest import TINY_VIT, make_spec, randomize
 
 MOE = [{"where": {"every": 1}, "experts": 4, "top_k": 2, "aux_loss": {"kind": "importance_load", "weight": 1.0}}]
 

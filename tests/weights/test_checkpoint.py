@@ -10,10 +10,10 @@ import torch
 from safetensors import safe_open
 
 import moespec
-from moespec.weights import SPEC_HASH_KEY, SPEC_KEY, VERSION_KEY, read_spec
 from moespec.errors import CheckpointError, MoespecError
+from moespec.weights import SPEC_HASH_KEY, SPEC_KEY, VERSION_KEY, read_spec
 
-from .conftest import TINY_INPUT, TINY_VIT, make_spec
+from ..conftest import TINY_INPUT, TINY_VIT, make_spec
 
 SPEC = [{"where": {"every": 2}, "experts": 4, "top_k": 2, "shared_experts": 1}]
 

@@ -10,7 +10,7 @@ from torch import fx
 import moespec
 from moespec.layers import MoE
 
-from .conftest import TINY_CONVNEXT, TINY_INPUT, TINY_VIT, make_spec, randomize
+from ..conftest import SPECS_DIR, TINY_CONVNEXT, TINY_INPUT, TINY_VIT, make_spec, randomize
 
 
 @pytest.mark.parametrize("backbone", [TINY_VIT, TINY_CONVNEXT], ids=["vit", "convnext"])
@@ -106,6 +106,6 @@ def test_train_and_eval_modes_are_not_frozen_into_the_graph():
 
 
 def test_meta_build_has_no_storage():
-    spec = moespec.load_spec(str(__import__("pathlib").Path(__file__).parent.parent / "specs" / "vit_s16_moe8_every2_top2.yaml"))
+    spec = moespec.load_spec(str(SPECS_DIR / "vit_s16_moe8_every2_top2.yaml"))
     model = moespec.create_model(spec, device="meta")
     assert all(p.is_meta for p in model.parameters())

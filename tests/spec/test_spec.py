@@ -10,14 +10,14 @@ from pydantic import ValidationError
 
 import moespec
 from moespec import Spec, SpecError, load_spec
-from moespec.spec.selectors import Blocks, Every, StageLast, Stages
 from moespec.routers import Gate
 from moespec.routers.topk import TopKRouterSpec as TopKRouter
 from moespec.spec import AuxLoss, Upcycle
+from moespec.spec.selectors import Blocks, Every, StageLast, Stages
 
-from .conftest import line_of, write
+from ..conftest import line_of, write
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).parent.parent / "data"
 EXAMPLE = DATA / "example_spec.yaml"
 
 GROUP_KEYS = ("where, sublayer, experts, top_k, expert_hidden, expert_mlp_ratio, shared_experts, router, "

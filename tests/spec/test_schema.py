@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 from moespec.cli import app
 from moespec.spec import SCHEMA_FILE, Spec, json_schema
 
-from .conftest import SPECS_DIR
+from ..conftest import SPECS_DIR
 
 SCHEMA_LINE = "# yaml-language-server: $schema=../moespec/spec.schema.json"
 SPECS = sorted(SPECS_DIR.glob("*.yaml"))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import moespec
 
-from .conftest import SPECS_DIR
+from ..conftest import SPECS_DIR
 
 
 def _vit_s16_dense() -> int:

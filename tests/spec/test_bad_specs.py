@@ -19,7 +19,7 @@ from typer.testing import CliRunner
 
 from moespec.cli import app
 
-CORPUS = Path(__file__).parent / "data" / "bad_specs"
+CORPUS = Path(__file__).parent.parent / "data" / "bad_specs"
 FILES = sorted(CORPUS.glob("*.yaml"))
 
 

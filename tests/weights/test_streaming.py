@@ -11,11 +11,10 @@ import torch
 from safetensors import safe_open
 
 import moespec
-from moespec.weights import read_spec
 from moespec.errors import CheckpointError
-from moespec.weights import upcycle, upcycle_to_checkpoint
+from moespec.weights import read_spec, upcycle, upcycle_to_checkpoint
 
-from .conftest import TINY_CONVNEXT, TINY_INPUT, TINY_VIT, make_spec
+from ..conftest import TINY_CONVNEXT, TINY_INPUT, TINY_VIT, make_spec
 
 VIT = [{"where": {"every": 1}, "experts": 4, "top_k": 2, "router": {"normalize": True}}]
 CONVNEXT = [{"where": {"stage_last": 2}, "experts": 4, "top_k": 1, "expert_mlp_ratio": 2}]

@@ -9,7 +9,7 @@ import moespec
 from moespec.errors import CheckpointError, SpecError
 from moespec.weights import upcycle_with_report
 
-from .conftest import TINY_CONVNEXT, TINY_INPUT, TINY_VIT, line_of, make_spec, write
+from ..conftest import TINY_CONVNEXT, TINY_INPUT, TINY_VIT, line_of, make_spec, write
 
 VIT_EVERY2 = [{"where": {"every": 2}, "experts": 8, "top_k": 2, "router": {"normalize": True}}]
 
