@@ -22,11 +22,13 @@ moe:
 
 
 def _moespec(*args, cwd):
-    return subprocess.run([sys.executable, "-m", "moespec.cli", *map(str, args)], cwd=cwd, capture_output=True, text=True)
+    return subprocess.run([sys.executable, "-m", "moespec.cli", *map(str, args)], cwd=cwd, capture_output=True,
+                          text=True)
 
 
 def test_compile_then_upcycle_and_report(tmp_path, dense_checkpoint):
-    ckpt, _ = dense_checkpoint({"model": "vit_small_patch16_224", "kwargs": {"depth": 2, "img_size": 64, "num_classes": 10}})
+    ckpt, _ = dense_checkpoint({"model": "vit_small_patch16_224",
+                                "kwargs": {"depth": 2, "img_size": 64, "num_classes": 10}})
     for normalize in ("true", "false"):
         (tmp_path / f"{normalize}.yaml").write_text(SPEC_YAML.format(normalize=normalize))
 
@@ -53,7 +55,8 @@ def test_compile_then_upcycle_and_report(tmp_path, dense_checkpoint):
 
 
 def test_upcycle_writes_shards_in_a_precision_and_rejects_bad_sizes(tmp_path, dense_checkpoint):
-    ckpt, _ = dense_checkpoint({"model": "vit_small_patch16_224", "kwargs": {"depth": 2, "img_size": 64, "num_classes": 10}})
+    ckpt, _ = dense_checkpoint({"model": "vit_small_patch16_224",
+                                "kwargs": {"depth": 2, "img_size": 64, "num_classes": 10}})
     (tmp_path / "spec.yaml").write_text(SPEC_YAML.format(normalize="true"))
     run = _moespec("upcycle", "spec.yaml", "-c", ckpt, "-o", "out/model.safetensors", "--max-shard-size", "5MB",
                    "--dtype", "bf16", cwd=tmp_path)
@@ -64,7 +67,8 @@ def test_upcycle_writes_shards_in_a_precision_and_rejects_bad_sizes(tmp_path, de
     assert run.returncode == 0, run.stderr
     # 4 experts x (384x1536 + 1536 + 1536x384 + 384) bf16 ~ 9.4 MB per layer: several 5 MB shards
     shards = sorted(p.name for p in (tmp_path / "out").glob("model-*.safetensors"))
-    assert len(shards) >= 3 and f"wrote out/model.safetensors.index.json ({len(shards)} shards and an index)" in run.stdout
+    assert len(shards) >= 3
+    assert f"wrote out/model.safetensors.index.json ({len(shards)} shards and an index)" in run.stdout
     assert "function-preserving: yes" in run.stdout
     loaded = moespec.load(tmp_path / "out")
     assert len(moespec.moe_layers(loaded)) == 2

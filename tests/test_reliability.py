@@ -78,8 +78,8 @@ def test_pickles_that_need_code_are_refused_unless_trusted(tmp_path, dense_check
     (tmp_path / "spec.yaml").write_text(
         "backbone: {model: vit_small_patch16_224, kwargs: {depth: 2, img_size: 64, num_classes: 10}}\n"
         "input_size: [3, 64, 64]\nmoe: [{where: {every: 1}, experts: 2, top_k: 1}]\n")
-    run = subprocess.run([sys.executable, "-m", "moespec.cli", "upcycle", "spec.yaml", "-c", path.name, "-o", "o.safetensors",
-                          "--no-check"], cwd=tmp_path, capture_output=True, text=True)
+    run = subprocess.run([sys.executable, "-m", "moespec.cli", "upcycle", "spec.yaml", "-c", path.name, "-o",
+                          "o.safetensors", "--no-check"], cwd=tmp_path, capture_output=True, text=True)
     assert run.returncode == 2 and "--trust-pickle" in run.stderr and "Traceback" not in run.stderr
     assert not (tmp_path / "o.safetensors").exists()
 
@@ -129,13 +129,15 @@ def test_same_seed_gives_bit_identical_weights(tmp_path):
                                     {"kind": "image"}, {"kind": "soft"}])
 def test_eval_routing_is_deterministic(router):
     experts = {"top_k": 1} if router["kind"] == "image" else {}
-    model = moespec.create_model(make_spec(TINY_VIT, [{"where": {"every": 1}, "experts": 4, **experts, "router": router}]))
+    group = {"where": {"every": 1}, "experts": 4, **experts, "router": router}
+    model = moespec.create_model(make_spec(TINY_VIT, [group]))
     x = torch.randn(2, *TINY_INPUT)
     with torch.no_grad():
         assert torch.equal(model.eval()(x), model(x))
 
 
-AUX = [{"kind": "importance_load", "weight": 0.01}, {"kind": "switch", "weight": 0.01}, {"kind": "z_loss", "weight": 0.001}]
+AUX = [{"kind": "importance_load", "weight": 0.01}, {"kind": "switch", "weight": 0.01},
+       {"kind": "z_loss", "weight": 0.001}]
 ROUTERS = {  # group settings per router kind; every aux loss where the router has one
     "topk": {"top_k": 2, "router": {"kind": "topk"}, "aux_loss": AUX},
     "topk_noise": {"top_k": 2, "router": {"kind": "topk", "noise": True}, "aux_loss": AUX},

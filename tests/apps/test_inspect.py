@@ -70,7 +70,8 @@ def test_the_folder_is_read_as_an_image_folder(workspace):
     folder = find_images(workspace / "images")
     assert folder.classes == ("blue", "green", "red")
     assert [sum(1 for _, c in folder.files if c == i) for i in range(3)] == [4, 4, 5]  # broken.png counts here
-    assert [len([1 for _, c in find_images(workspace / "images", limit=2).files if c == i]) for i in range(3)] == [2] * 3
+    limited = find_images(workspace / "images", limit=2).files
+    assert [len([1 for _, c in limited if c == i]) for i in range(3)] == [2] * 3
 
 
 def test_shares_are_consistent_for_every_router_kind(report):
@@ -102,7 +103,8 @@ def test_shares_are_consistent_for_every_router_kind(report):
     assert 0 < choice.drop_fraction < 1
 
     for layer in result.layers:  # the load is the class counts summed, and its shares sum to 1
-        counts = [sum(share * n for share, n in zip(column, tokens, strict=True)) for column in zip(*layer.share, strict=True)]
+        counts = [sum(share * n for share, n in zip(column, tokens, strict=True))
+                  for column in zip(*layer.share, strict=True)]
         assert layer.load == pytest.approx(counts)
         assert sum(layer.load_share) == pytest.approx(1.0)
         assert sorted(layer.class_order) == [0, 1, 2]

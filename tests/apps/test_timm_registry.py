@@ -24,7 +24,8 @@ def test_timm_create_model_builds_the_spec_with_timm_kwargs():
     model = timm.create_model(name, pretrained=False, num_classes=3, drop_path_rate=0.2)
     assert model.training  # like any fresh timm model
     assert model.num_classes == 3 and model(torch.randn(2, 3, 64, 64)).shape == (2, 3)
-    assert model.get_submodule("blocks.1.drop_path1").drop_prob == pytest.approx(0.2)  # timm's kwargs reach the backbone
+    # timm's kwargs reach the backbone
+    assert model.get_submodule("blocks.1.drop_path1").drop_prob == pytest.approx(0.2)
     assert list(moespec.moe_layers(model)) == ["blocks.0.mlp", "blocks.1.mlp"]
     spec = model.moespec_spec
     assert spec.backbone.kwargs == {**TINY_VIT["kwargs"], "num_classes": 3, "drop_path_rate": 0.2}

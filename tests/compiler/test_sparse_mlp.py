@@ -53,7 +53,8 @@ def test_small_mixer_counts_by_hand():
                     + 32 * 32 * 2 + 32 * 2 * (2 * 32 * 48 + 32)  # MoE_C: gate on 32 patches, 2 experts + combine each
                     + 32 * 32 * 16 + 16 * 32 * 64)  # pro-channel rescale back to [16, 64]
     assert round(s.gmacs * 1e9) == dense_macs - block_macs + sparse_block
-    assert [(layer.path, layer.items) for layer in s.layers] == [("blocks.2.mlp_tokens", 32), ("blocks.2.mlp_channels", 32)]
+    assert [(layer.path, layer.items) for layer in s.layers] == [("blocks.2.mlp_tokens", 32),
+                                                                  ("blocks.2.mlp_channels", 32)]
 
 
 def test_plan_shows_the_rescale_and_the_graph_has_it():
@@ -100,14 +101,17 @@ def test_upcycle_copies_dense_blocks_and_says_which_blocks_are_fresh(tmp_path):
         assert torch.equal(state[key], dense_state[key])
     # token-mixing MoE without rescale upcycles from mlp_tokens like any FFN
     for e in range(4):
-        assert torch.equal(state["blocks.0.mlp_tokens.experts.fc1.weight"][e], dense_state["blocks.0.mlp_tokens.fc1.weight"])
+        assert torch.equal(state["blocks.0.mlp_tokens.experts.fc1.weight"][e],
+                           dense_state["blocks.0.mlp_tokens.fc1.weight"])
     assert str(report).splitlines()[-1] == ("  blocks.2: rebuilt at [32, 32] (rescale.0) and freshly initialized; "
                                             "a block of a new shape cannot be upcycled")
 
 
 @pytest.mark.parametrize("rescale,field,fragment", [
-    ("{where: {last: 1}, tokens: 1.3}", "rescale.0.tokens", "1.3 x 16 tokens of blocks.2 = 20.8 is not a whole number"),
-    ("{where: {last: 1}, channels: 0.3}", "rescale.0.channels", "0.3 x 64 channels of blocks.2 = 19.2 is not a whole number"),
+    ("{where: {last: 1}, tokens: 1.3}", "rescale.0.tokens",
+     "1.3 x 16 tokens of blocks.2 = 20.8 is not a whole number"),
+    ("{where: {last: 1}, channels: 0.3}", "rescale.0.channels",
+     "0.3 x 64 channels of blocks.2 = 19.2 is not a whole number"),
 ])
 def test_non_integer_rescaled_sizes_are_spec_errors(tmp_path, rescale, field, fragment):
     text = ("backbone:\n  model: mixer_b16_224\n  kwargs: {num_blocks: 3, embed_dim: 64, img_size: 64}\n"

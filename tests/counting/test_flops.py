@@ -44,7 +44,8 @@ def vit(dim: int, depth: int, patch: int, img: int = 224, classes: int = 1000, l
     """Dense timm ViT by hand: (params, MACs). Tokens N = (img/patch)^2 + 1; qkv/proj/fc with biases; two
     LayerNorms per block (5 MACs per element, fvcore); QK^T + AV = 2 N^2 dim; mlp_ratio 4."""
     n = (img // patch) ** 2 + 1
-    block = 4 * dim + (3 * dim * dim + 3 * dim) + (dim * dim + dim) + _ffn(dim, 4 * dim) + (2 * dim if layerscale else 0)
+    block = (4 * dim + (3 * dim * dim + 3 * dim) + (dim * dim + dim) + _ffn(dim, 4 * dim)
+             + (2 * dim if layerscale else 0))
     params = (3 * patch * patch * dim + dim) + dim + n * dim + depth * block + 2 * dim + dim * classes + classes
     block_macs = n * 3 * dim * dim + 2 * n * n * dim + n * dim * dim + 2 * n * dim * 4 * dim + 2 * 5 * n * dim
     macs = (img // patch) ** 2 * 3 * patch * patch * dim + depth * block_macs + 5 * n * dim + dim * classes
@@ -77,7 +78,7 @@ def _layers(count, kind, dim, items, experts, top_k=1, ratio=4, shared=0):
 
 
 def _convnext(stage_counts, stages, experts, ratio=4):
-    return [layer for (dim, items), count in zip(stages, stage_counts)
+    return [layer for (dim, items), count in zip(stages, stage_counts, strict=True)
             for layer in _layers(count, "topk", dim, items, experts, 1, ratio)]
 
 

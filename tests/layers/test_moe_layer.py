@@ -43,7 +43,7 @@ def _reference(moe: MoE, x: torch.Tensor) -> torch.Tensor:
         values, chosen = probs[t].topk(moe.top_k)
         if moe.router.normalize:
             values = values / values.sum()
-        for value, e in zip(values, chosen):
+        for value, e in zip(values, chosen, strict=True):
             out[t] += value * _expert(moe.experts, int(e), items[t : t + 1])[0]
     return out.reshape(x.shape)
 

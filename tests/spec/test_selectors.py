@@ -93,7 +93,8 @@ def test_vit_selectors(tmp_path, where, blocks):
 
 def test_vit_layer_plans_record_group_and_block(tmp_path):
     layers = plan_of(tmp_path, group_spec(VIT, "{blocks: [-1, 0]}")).layers
-    assert [(layer.path, layer.block, layer.group) for layer in layers] == [("blocks.0.mlp", 0, 0), ("blocks.11.mlp", 11, 0)]
+    assert [(layer.path, layer.block, layer.group) for layer in layers] == [("blocks.0.mlp", 0, 0),
+                                                                             ("blocks.11.mlp", 11, 0)]
 
 
 def test_example_spec_plans_every_second_block():
@@ -142,7 +143,8 @@ def test_convnext_per_stage_blocks(tmp_path):
 
 
 def test_convnext_negative_stage_index(tmp_path):
-    assert paths(tmp_path, CONVNEXT, "{stages: {-1: [0], 0: [-3]}}") == ["stages.0.blocks.0.mlp", "stages.3.blocks.0.mlp"]
+    assert paths(tmp_path, CONVNEXT, "{stages: {-1: [0], 0: [-3]}}") == ["stages.0.blocks.0.mlp",
+                                                                          "stages.3.blocks.0.mlp"]
 
 
 def test_convnext_every_2_numbers_blocks_globally(tmp_path):
@@ -173,7 +175,9 @@ def test_convnext_union_of_overlapping_selectors(tmp_path):
 
 def test_convnext_expert_mlp_ratio_widths(tmp_path):
     plan = plan_of(tmp_path, group_spec(CONVNEXT, "{stage_last: 2}", "    expert_mlp_ratio: 2.0\n"))
-    assert [(l.path, l.in_features, l.dense_hidden, l.expert_hidden, l.out_features) for l in plan.layers] == [
+    widths = [(layer.path, layer.in_features, layer.dense_hidden, layer.expert_hidden, layer.out_features)
+              for layer in plan.layers]
+    assert widths == [
         ("stages.2.blocks.8.mlp", 384, 1536, 768, 384),
         ("stages.3.blocks.2.mlp", 768, 3072, 1536, 768),
     ]
@@ -181,22 +185,23 @@ def test_convnext_expert_mlp_ratio_widths(tmp_path):
 
 def test_convnext_default_width_is_the_dense_width(tmp_path):
     plan = plan_of(tmp_path, group_spec(CONVNEXT, "{stage_last: all}"))
-    assert [(l.in_features, l.dense_hidden, l.expert_hidden) for l in plan.layers] == [
+    assert [(layer.in_features, layer.dense_hidden, layer.expert_hidden) for layer in plan.layers] == [
         (96, 384, 384), (192, 768, 768), (384, 1536, 1536), (768, 3072, 3072),
     ]
 
 
 def test_vit_default_expert_hidden(tmp_path):
     plan = plan_of(tmp_path, group_spec(VIT, "{every: 2}"))
-    assert {(l.in_features, l.dense_hidden, l.expert_hidden, l.out_features) for l in plan.layers} == {
+    widths = {(layer.in_features, layer.dense_hidden, layer.expert_hidden, layer.out_features) for layer in plan.layers}
+    assert widths == {
         (384, 1536, 1536, 384)
     }
-    assert {l.family for l in plan.layers} == {"Mlp"}
+    assert {layer.family for layer in plan.layers} == {"Mlp"}
 
 
 def test_vit_explicit_expert_hidden(tmp_path):
     plan = plan_of(tmp_path, group_spec(VIT, "{last: 1}", "    expert_hidden: 384\n"))
-    assert [(l.dense_hidden, l.expert_hidden) for l in plan.layers] == [(1536, 384)]
+    assert [(layer.dense_hidden, layer.expert_hidden) for layer in plan.layers] == [(1536, 384)]
 
 
 # --- errors -------------------------------------------------------------------------------------------------

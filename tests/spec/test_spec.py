@@ -157,7 +157,8 @@ moe:
 """
     path = write(tmp_path, text)
     problem = only_problem(path)
-    assert (problem.file, problem.line, problem.path) == (str(path), line_of(text, "expert_mlp_ratio"), "moe.0.expert_mlp_ratio")
+    assert (problem.file, problem.line, problem.path) == (str(path), line_of(text, "expert_mlp_ratio"),
+                                                          "moe.0.expert_mlp_ratio")
     assert problem.message == "give expert_hidden or expert_mlp_ratio, not both"
 
 
@@ -205,8 +206,8 @@ inputsize: [3, 224, 224]
     problem = only_problem(path)
     assert (problem.file, problem.line, problem.path) == (str(path), line_of(text, "inputsize"), "inputsize")
     assert problem.message == (
-        "unknown key 'inputsize'; allowed: name, backbone, input_size, rescale, moe, upcycle, aux_loss_in_backward; did you mean "
-        "'input_size'?"
+        "unknown key 'inputsize'; allowed: name, backbone, input_size, rescale, moe, upcycle, aux_loss_in_backward; "
+        "did you mean 'input_size'?"
     )
 
 
@@ -218,7 +219,8 @@ colour: red
     path = write(tmp_path, text)
     problem = only_problem(path)
     assert (problem.line, problem.path) == (2, "colour")
-    assert problem.message == "unknown key 'colour'; allowed: name, backbone, input_size, rescale, moe, upcycle, aux_loss_in_backward"
+    assert problem.message == ("unknown key 'colour'; allowed: name, backbone, input_size, rescale, moe, upcycle, "
+                               "aux_loss_in_backward")
     assert "did you mean" not in problem.message
 
 
@@ -251,7 +253,8 @@ moe:
 """
     path = write(tmp_path, text)
     problem = only_problem(path)
-    assert (problem.file, problem.line, problem.path) == (str(path), line_of(text, "normalise"), "moe.0.router.normalise")
+    assert (problem.file, problem.line, problem.path) == (str(path), line_of(text, "normalise"),
+                                                          "moe.0.router.normalise")
     assert problem.column == column_of(text, "normalise")
     assert problem.message == ("unknown key 'normalise'; allowed: kind, gate, normalize, noise, bpr, drop_fraction; "
                                "did you mean 'normalize'?")

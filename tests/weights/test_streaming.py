@@ -98,7 +98,8 @@ def test_forced_overwrite_replaces_an_older_layout_whole(dense_checkpoint, tmp_p
 def test_a_missing_shard_is_named(dense_checkpoint, tmp_path):
     path, _ = dense_checkpoint(TINY_VIT)
     out = tmp_path / "model.safetensors"
-    files, _ = upcycle_to_checkpoint(make_spec(TINY_VIT, VIT), out, checkpoint=path, max_shard_size=400_000, check=False)
+    files, _ = upcycle_to_checkpoint(make_spec(TINY_VIT, VIT), out, checkpoint=path, max_shard_size=400_000,
+                                     check=False)
     files[2].unlink()
     with pytest.raises(CheckpointError, match=f"shard\\(s\\) missing next to it: {files[2].name}"):
         moespec.load(out)

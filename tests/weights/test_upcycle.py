@@ -108,7 +108,8 @@ def test_checkpoint_from_the_spec_is_relative_to_the_spec_file(dense_checkpoint,
 
 
 def test_wrong_checkpoint_lists_missing_unexpected_and_mismatched(dense_checkpoint):
-    path, _ = dense_checkpoint({"model": "vit_small_patch16_224", "kwargs": {"depth": 1, "img_size": 64, "num_classes": 7}})
+    path, _ = dense_checkpoint({"model": "vit_small_patch16_224",
+                                "kwargs": {"depth": 1, "img_size": 64, "num_classes": 7}})
     with pytest.raises(CheckpointError) as err:
         moespec.upcycle(make_spec(TINY_VIT, VIT_EVERY2), path)
     message = str(err.value)
@@ -162,7 +163,8 @@ def test_image_routing_upcycle_reproduces_dense_logits(experts, top_k, dense_che
     ({"kind": "topk", "normalize": True}, 1, "1 shared expert(s) add another copy of the dense FFN's output"),
     ({"kind": "soft"}, 0, "Soft MoE feeds experts convex mixtures of all tokens, not each token itself"),
 ])
-def test_shared_experts_and_soft_moe_say_plainly_that_they_change_the_function(router, shared, reason, dense_checkpoint):
+def test_shared_experts_and_soft_moe_say_plainly_that_they_change_the_function(router, shared, reason,
+                                                                               dense_checkpoint):
     path, _ = dense_checkpoint(TINY_VIT)
     spec = make_spec(TINY_VIT, [{"where": {"last": 1}, "experts": 4, "shared_experts": shared, "router": router}])
     model, report = upcycle_with_report(spec, path)
