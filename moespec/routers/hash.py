@@ -1,0 +1,85 @@
+"""Router kind `hash` (Roller et al. 2021, "Hash Layers For Large Sparse Models"): every item goes to one expert
+chosen by a fixed hash, with weight 1; nothing is learned, nothing needs balancing.
+
+Roller et al. hash the token id; image tokens have none, so here an item is hashed by its position within its
+image (patch n of a sequence, or the n-th position of a feature map): a seeded permutation of the positions,
+dealt to the experts in turn, so every expert gets the same number of positions (within one).
+
+This kind is the README's worked example of extending moespec, and it is opt-in: `import moespec.routers.hash`
+registers it; the built-in spec language and its JSON Schema do not have it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..layers import Routing
+from ..spec.fields import NonNegativeInt
+from ..spec.registry import Inspection, RouterKind, RouterSpec, register_router_kind
+from .gates import routed_pairs, sparse_moe
+
+
+class HashRouterSpec(RouterSpec):
+    """Hash routing (Roller et al. 2021): each position of an image always goes to the same expert."""
+
+    kind: Literal["hash"]
+    seed: NonNegativeInt = 0
+    """Seed of the position -> expert permutation."""
+
+    title: ClassVar[str] = "hash"
+    takes_top_k: ClassVar[bool] = False
+    load_balanced: ClassVar[bool] = False  # balanced by construction
+
+
+class HashRouter(nn.Module):
+    """Routes item n of each image to expert `table[n]`: a seeded permutation of the positions dealt to the
+    experts in turn. No parameters; the routing does not depend on the input."""
+
+    top_k = 1
+
+    def __init__(self, experts: int, seed: int = 0):
+        super().__init__()
+        self.num_experts, self.seed = experts, seed
+
+    def table(self, positions: int, device: torch.device) -> torch.Tensor:
+        """[positions] expert of each position of an image, each expert taking positions / E of them (+1)."""
+        order = torch.randperm(positions, generator=torch.Generator().manual_seed(self.seed))
+        return (torch.empty_like(order).index_copy_(0, order, torch.arange(positions)) % self.num_experts).to(device)
+
+    def gate_macs(self, items: int, images: int) -> int:
+        return 0
+
+    def routed_rows(self, items: int, images: int) -> int:
+        return items
+
+    def forward(self, x: torch.Tensor, images: int = 1) -> Routing:
+        """x: [T, C] items, image after image -> a Routing with one (item, expert) pair per item."""
+        experts = self.table(x.shape[0] // images, x.device).repeat(images)  # [T]
+        item = torch.argsort(experts, stable=True)  # pairs grouped by expert, in item order within each
+        counts = torch.bincount(experts, minlength=self.num_experts)
+        probs = F.one_hot(experts, self.num_experts).float()  # [T, E]: the hash is certain
+        ones = torch.ones(x.shape[0], device=x.device)
+        return Routing(probs=probs, logits=torch.zeros_like(probs), item=item, counts=counts,
+                       weights=ones.to(x.dtype)[item], top1=experts, top1_value=ones, load=counts.float(),
+                       kept=torch.ones(x.shape[0], dtype=torch.bool, device=x.device))
+
+    def extra_repr(self) -> str:
+        return f"experts={self.num_experts}, seed={self.seed}"
+
+
+def build(router: dict, layer: Any, experts, shared) -> nn.Module:
+    return sparse_moe(HashRouter(layer.experts, router["seed"]), layer, experts, shared)
+
+
+HASH = register_router_kind(RouterKind(
+    spec=HashRouterSpec, build=build,
+    describe=lambda router, layer: f"hash seed={router['seed']}",
+    caveats=lambda router, layer: [],  # one copy of the dense FFN per item, weight 1: the dense function
+    activated=lambda router, layer: (1, "per token"),
+    inspect=Inspection(unit="token", name=lambda top_k: "hash",
+                       share_label="share of the class's tokens\nsent to the expert", tally=routed_pairs),
+))
