@@ -4,6 +4,7 @@ registers the built-in kinds; a new kind is one more file and one `register_rout
 "Extending").
 
     topk.py  token choice top-k     expert_choice.py  expert choice     image.py  image-level     soft.py  Soft MoE
+    hash.py  the hash router (Roller et al. 2021), opt-in: the README's worked example of a new kind
 """
 
 # Registration order is the order of the JSON Schema's `router:` oneOf.

@@ -19,10 +19,13 @@ from .registry import (
            RouterSpec,
            register_router_kind,
            register_selector,
+           unregister_router_kind,
+           unregister_selector,
 )
 from .schema import SCHEMA_FILE, json_schema, json_schema_text
 
 __all__ = ["DENSE_SUFFIXES", "ROUTER_KINDS", "SCHEMA_FILE", "SELECTORS", "AuxLoss", "Backbone", "Block", "BlockLayout",
            "Inspection", "MoEGroup", "RescaleSpec", "RouterKind", "RouterSpec", "Spec", "SpecModel", "Upcycle",
            "allowed_keys", "json_schema", "json_schema_text", "load_spec", "located", "read_document",
-           "register_router_kind", "register_selector", "spec_files", "spec_problem"]
+           "register_router_kind", "register_selector", "spec_files", "spec_problem", "unregister_router_kind",
+           "unregister_selector"]

@@ -43,6 +43,12 @@ def register_selector(key: str) -> Callable[[type], type]:
     return wrap
 
 
+def unregister_selector(key: str) -> None:
+    """Take a selector out of the spec language again (a plug-in's tests register and remove their own)."""
+    SELECTORS.pop(key)
+    _changed()
+
+
 class RouterSpec(SpecModel):
     """Base of every `router:` mapping. The class attributes say how the kind combines with the surgery
     group's other fields; `MoEGroup` checks them, so its errors name the right field."""
@@ -100,6 +106,12 @@ def register_router_kind(kind: RouterKind) -> RouterKind:
     ROUTER_KINDS[name] = kind
     _changed()
     return kind
+
+
+def unregister_router_kind(name: str) -> None:
+    """Take a router kind out of the `router:` union again."""
+    ROUTER_KINDS.pop(name)
+    _changed()
 
 
 def router_kind(name: str) -> RouterKind:

@@ -136,7 +136,7 @@ def expected_counts(layers, dense_params, dense_macs):
 
 
 def test_every_shipped_spec_has_a_hand_written_expectation():
-    from .test_sparse_mlp import SPARSE_SPECS
+    from ..compiler.test_sparse_mlp import SPARSE_SPECS
 
     assert {p.stem for p in SPECS} == set(EXPECTED) | set(SPARSE_SPECS)
 

@@ -11,8 +11,7 @@ import torch
 import moespec
 from moespec.compiler import moe_layers
 from moespec.errors import SpecError
-from moespec.spec import ROUTER_KINDS, json_schema, register_router_kind
-from moespec.spec.models import _rebuild
+from moespec.spec import json_schema, register_router_kind, unregister_router_kind
 from moespec.weights import caveats
 
 from ..conftest import TINY_CONVNEXT, TINY_INPUT, TINY_VIT, make_spec
@@ -27,8 +26,7 @@ def hash_kind():
     module = importlib.import_module("moespec.routers.hash")  # importing it registers it
     register_router_kind(module.HASH)
     yield module
-    ROUTER_KINDS.pop("hash")
-    _rebuild()
+    unregister_router_kind("hash")
 
 
 def test_without_registration_hash_is_an_unknown_kind():

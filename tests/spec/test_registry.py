@@ -10,8 +10,7 @@ import torch
 
 import moespec
 from moespec.errors import SpecError
-from moespec.spec import SELECTORS, BlockLayout, json_schema, register_selector
-from moespec.spec.models import _rebuild
+from moespec.spec import BlockLayout, json_schema, register_selector, unregister_selector
 from moespec.spec.selectors import Selector
 
 from ..conftest import TINY_INPUT
@@ -37,8 +36,7 @@ def _spec(where: dict) -> dict:
 def odd_selector():
     register_selector("odd")(Odd)
     yield
-    SELECTORS.pop("odd")
-    _rebuild()
+    unregister_selector("odd")
 
 
 def test_an_unregistered_selector_is_an_error_that_lists_the_forms():
@@ -61,8 +59,7 @@ def test_its_options_are_checked_like_the_built_in_ones(odd_selector):
 
 
 def test_unregistering_takes_it_out_of_validation_again(odd_selector):
-    SELECTORS.pop("odd")
-    _rebuild()
+    unregister_selector("odd")
     with pytest.raises(SpecError, match="a selector is one of"):
         moespec.load_spec(_spec({"odd": True}))
     register_selector("odd")(Odd)  # for the fixture's teardown
