@@ -12,12 +12,12 @@ from .apps.timm_registry import register_timm
 from .compiler import create_model, moe_layers
 from .counting import stats
 from .errors import CheckpointError, MoespecError, SpecError
-from .layers.moe import aux_loss
+from .layers.moe import aux_loss, follow_grad_scaler
 from .planning import Plan, plan
 from .spec import Spec, load_spec
 from .weights import load, save, upcycle, upcycle_to_checkpoint
 
 __all__ = [
-    "CheckpointError", "MoespecError", "Plan", "Spec", "SpecError", "aux_loss", "create_model", "load",
-    "load_spec", "moe_layers", "plan", "register_timm", "save", "stats", "upcycle", "upcycle_to_checkpoint",
+    "CheckpointError", "MoespecError", "Plan", "Spec", "SpecError", "aux_loss", "create_model", "follow_grad_scaler",
+    "load", "load_spec", "moe_layers", "plan", "register_timm", "save", "stats", "upcycle", "upcycle_to_checkpoint",
 ]

@@ -24,7 +24,7 @@ from .apps.sweep import parse_setting, sweep
 from .apps.sweep import plot as draw
 from .counting import FORMATS, plan_table, render
 from .errors import MoespecError, SpecError
-from .io import DTYPE_NAMES, check_output, parse_size
+from .io import DTYPE_NAMES, check_output, checkpoint_files, index_file, parse_size
 from .spec import json_schema_text, spec_files
 
 app = typer.Typer(
@@ -116,17 +116,26 @@ def plan_command(spec: Path = typer.Argument(..., help="Spec file.")) -> None:
 @app.command("compile")
 def compile_command(
     spec: Path = typer.Argument(..., help="Spec file."),
-    output: Path = typer.Option(..., "-o", "--output", help="Output .safetensors file."),
+    output: Path = typer.Option(
+        ..., "-o", "--output",
+        help="Output .safetensors file; beyond --max-shard-size, shards and an index next to it."),
+    max_shard_size: str = typer.Option("2GB", "--max-shard-size", help="Largest file to write, e.g. 2GB, 500MB, 1GiB."),
     force: bool = typer.Option(False, "--force", help="Overwrite an existing output."),
     seed: int = typer.Option(0, help="Seed for the random initialization."),
 ) -> None:
     """Build the MoE model with random weights and save it (spec embedded)."""
 
     def body() -> None:
+        limit = parse_size(max_shard_size, "--max-shard-size")
         check_output(output, force)
         model = create_model(load_spec(spec), seed=seed)
-        save(model, output, force=force)
-        out.print(f"wrote {output} ({len(model.moespec_plan.layers)} MoE layers)", markup=False)
+        save(model, output, force=force, max_shard_size=limit)
+        _, files = checkpoint_files(output)
+        layers = f"{len(model.moespec_plan.layers)} MoE layers"
+        if len(files) > 1:
+            out.print(f"wrote {index_file(output)} ({layers}; {len(files)} shards and an index)", markup=False)
+        else:
+            out.print(f"wrote {output} ({layers})", markup=False)
 
     _run(body)
 
@@ -193,7 +202,8 @@ def stats_command(
     format: Format = typer.Option(Format.table, "--format", "-f", help="Output format."),
     per_layer: bool = typer.Option(False, "--per-layer", help="One row per MoE layer and per dense remainder."),
     input_size: Optional[Tuple[int, int, int]] = typer.Option(None, "--input-size", metavar="C H W",
-                                                              help="Override the specs' input size."),
+                                                              help="Override the specs' input size; fixed-size models "
+                                                              "(ViT, Mixer) are built at it (timm's img_size)."),
 ) -> None:
     """Total and activated parameters and GMACs of each spec, with its dense backbone for comparison.
 
@@ -234,7 +244,8 @@ def sweep_command(
     )] = None,
     force: Annotated[bool, typer.Option("--force", help="Overwrite an existing --plot file.")] = False,
     input_size: Annotated[Optional[Tuple[int, int, int]], typer.Option(
-        "--input-size", metavar="C H W", help="Override the spec's input size.")] = None,
+        "--input-size", metavar="C H W",
+        help="Override the spec's input size; fixed-size models (ViT, Mixer) are built at it (img_size).")] = None,
 ) -> None:
     """Stats of every combination of --set values (their cartesian product), with the swept values as columns.
 
@@ -273,6 +284,12 @@ def inspect_command(
     batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="Images per forward.")] = 32,
     seed: Annotated[int, typer.Option(help="Seed for a spec's random initialization.")] = 0,
     force: Annotated[bool, typer.Option("--force", help="Replace an existing, non-empty report folder.")] = False,
+    spec: Annotated[Optional[Path], typer.Option(
+        "--spec", help="The spec of a checkpoint without one inside (a timm training checkpoint, .pth.tar).")] = None,
+    ema: Annotated[bool, typer.Option("--ema", help="With --spec: the checkpoint's EMA weights.")] = False,
+    trust_pickle: Annotated[bool, typer.Option(
+        "--trust-pickle", help="Unpickle a training checkpoint's non-tensor state (can run code: trusted files only).")
+    ] = False,
 ) -> None:
     """Route labelled images through the model and show, per MoE layer, which experts each class uses."""
 
@@ -280,7 +297,7 @@ def inspect_command(
         require_matplotlib("moespec inspect")
         check_output(output, force, folder=True)
         folder = find_images(images, limit)
-        model = load_model(source, seed=seed)
+        model = load_model(source, seed=seed, spec=spec, ema=ema, trust_pickle=trust_pickle)
         with progress("routing images") as advance:
             report = inspect_routing(model, folder, batch_size=batch_size, source=str(source), on_batch=advance)
         for skipped in report.skipped[:5]:

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # each test runs moespec in subprocesses (CI runs them; README)
+
 SPECS = Path(__file__).resolve().parent.parent / "specs"
 SPEC_FILES = sorted(SPECS.glob("*.yaml"))
 STATS_PAIR = [str(SPECS / "convnext_t_dense.yaml"), str(SPECS / "vit_s16_moe8_every2_top2.yaml")]
@@ -219,7 +221,7 @@ def test_stats_csv(cli):
     result = cli["results"]["stats_csv"]
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
-    assert lines[0] == ("name,backbone,MoE layers,experts,params (M),activated (M),GMACs,dense params (M),"
+    assert lines[0] == ("name,backbone,MoE layers,experts (all layers),params (M),activated (M),GMACs,dense params (M),"
                         "dense GMACs")
     assert len(lines) == 1 + len(STATS_PAIR)
     assert lines[1].startswith("convnext-t-dense,convnext_tiny,0,0,28.59,28.59,4.470,28.59,4.470")
@@ -229,7 +231,7 @@ def test_stats_markdown(cli):
     result = cli["results"]["stats_markdown"]
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
-    assert lines[0] == ("| name | backbone | MoE layers | experts | params (M) | activated (M) | GMACs | "
+    assert lines[0] == ("| name | backbone | MoE layers | experts (all layers) | params (M) | activated (M) | GMACs | "
                         "dense params (M) | dense GMACs |")
     assert lines[1] == "|---|---|---|---|---|---|---|---|---|"
     rows = [line for line in lines[2:] if line.startswith("| ")]

@@ -5,7 +5,11 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 import moespec
+
+pytestmark = pytest.mark.slow  # each test runs moespec in subprocesses (CI runs them; README)
 
 SPEC_YAML = """\
 # tiny ViT-S/16 for the CLI tests
@@ -58,10 +62,10 @@ def test_upcycle_writes_shards_in_a_precision_and_rejects_bad_sizes(tmp_path, de
     ckpt, _ = dense_checkpoint({"model": "vit_small_patch16_224",
                                 "kwargs": {"depth": 2, "img_size": 64, "num_classes": 10}})
     (tmp_path / "spec.yaml").write_text(SPEC_YAML.format(normalize="true"))
-    run = _moespec("upcycle", "spec.yaml", "-c", ckpt, "-o", "out/model.safetensors", "--max-shard-size", "5MB",
-                   "--dtype", "bf16", cwd=tmp_path)
-    assert run.returncode == 2 and "out: no such folder for the output" in run.stderr
-    (tmp_path / "out").mkdir()
+    (tmp_path / "blocked").write_text("a file where the output folder would go")
+    run = _moespec("upcycle", "spec.yaml", "-c", ckpt, "-o", "blocked/model.safetensors", cwd=tmp_path)
+    assert run.returncode == 2 and "blocked: cannot create the output's folder" in run.stderr
+    assert (tmp_path / "blocked").read_text() == "a file where the output folder would go"
     run = _moespec("upcycle", "spec.yaml", "-c", ckpt, "-o", "out/model.safetensors", "--max-shard-size", "5MB",
                    "--dtype", "bf16", cwd=tmp_path)
     assert run.returncode == 0, run.stderr

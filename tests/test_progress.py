@@ -15,6 +15,8 @@ import pytest
 
 from .conftest import TINY_SPEC_YAML
 
+pytestmark = pytest.mark.slow  # each test runs moespec in subprocesses (CI runs them; README)
+
 pty = pytest.importorskip("pty")
 
 ENV = {**os.environ, "TERM": "xterm", "COLUMNS": "120", "OMP_NUM_THREADS": "1"}

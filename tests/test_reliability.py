@@ -35,6 +35,7 @@ def _state_hash(model: torch.nn.Module) -> str:
     return digest.hexdigest()
 
 
+@pytest.mark.slow
 def test_a_killed_write_leaves_no_output_and_the_next_write_removes_its_temp_file(tmp_path):
     target = tmp_path / "model.safetensors"
     writer = textwrap.dedent(f"""
@@ -68,6 +69,7 @@ def test_a_live_writers_temp_file_is_left_alone(tmp_path):
     assert mine.exists()
 
 
+@pytest.mark.slow
 def test_pickles_that_need_code_are_refused_unless_trusted(tmp_path, dense_checkpoint):
     _, dense = dense_checkpoint(TINY_VIT)
     path = tmp_path / "train_state.pth"

@@ -20,6 +20,7 @@ def test_the_required_specs_are_shipped():
             "convnext_t_moe8_last2_top1", "vit_s16_dense", "convnext_t_dense"} <= names
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", SPECS, ids=[p.stem for p in SPECS])
 def test_shipped_spec_compiles_and_runs(path):
     text = path.read_text()

@@ -71,16 +71,18 @@ def find_images(root: str | Path, limit: int | None = None) -> ImageFolder:
     return ImageFolder(root, tuple(classes), tuple(files), tuple(empty))
 
 
-def load_model(source: str | Path, *, seed: int = 0) -> nn.Module:
+def load_model(source: str | Path, *, seed: int = 0, spec: str | Path | None = None, ema: bool = False,
+               trust_pickle: bool = False) -> nn.Module:
     """A spec file (built with timm's random init, seeded) or a moespec checkpoint (.safetensors, a sharded
-    index, or its folder), in eval mode."""
+    index, or its folder), in eval mode. With `spec`, `source` is any checkpoint of that spec's model (a
+    timm training checkpoint too: see `weights.load`)."""
     source = Path(source)
     if not source.exists():
         raise MoespecError(f"{source}: no such spec or checkpoint")
-    if source.suffix in SPEC_SUFFIXES:
+    if source.suffix in SPEC_SUFFIXES and spec is None:
         model = create_model(load_spec(source), seed=seed)
     else:
-        model = load(source)
+        model = load(source, spec=spec, ema=ema, trust_pickle=trust_pickle)
     if not moe_layers(model):
         raise MoespecError(f"{source}: the model has no MoE layers; there is no routing to inspect")
     return model.eval()

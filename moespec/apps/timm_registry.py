@@ -33,15 +33,25 @@ TIMM_ONLY_KWARGS = ("pretrained_cfg", "pretrained_cfg_overlay")
 
 
 def register_timm(spec_or_path: Spec | str | Path, name: str | None = None, *,
-                  aux_loss_in_backward: bool = True) -> str:
+                  aux_loss_in_backward: bool = True, aux_loss_backward_scale: float | None = None) -> str:
     """Register a spec (or spec file) as the timm model `name` (default: the spec's name with `_` for `-`).
 
     `aux_loss_in_backward` sets the spec's option of that name: the load-balancing loss reaches the gradients
-    even when the training loop never calls `moespec.aux_loss`. Registering a moespec name again replaces it;
-    a name timm already has for its own models is refused. Returns the name.
+    even when the training loop never calls `moespec.aux_loss`. `aux_loss_backward_scale` (default: the
+    spec's, 1) is what the loop multiplies its loss by: 1/N for timm's train.py with --grad-accum-steps N.
+    timm's train.py with float16 AMP scales its loss with a GradScaler that moespec cannot reach: train in
+    bfloat16 (--amp-dtype bfloat16, no scaler) there, or call `moespec.follow_grad_scaler` in your own loop;
+    moespec warns when it sees either mismatch. Registering a moespec name again replaces it; a name timm
+    already has for its own models is refused. Returns the name.
     """
     spec = spec_or_path if isinstance(spec_or_path, Spec) else load_spec(spec_or_path)
-    spec = spec.model_copy(update={"aux_loss_in_backward": aux_loss_in_backward})
+    update: dict = {"aux_loss_in_backward": aux_loss_in_backward}
+    if aux_loss_backward_scale is not None:
+        if not aux_loss_backward_scale > 0:
+            raise MoespecError(f"aux_loss_backward_scale must be > 0 (1/N for N accumulation steps), got "
+                               f"{aux_loss_backward_scale!r}")
+        update["aux_loss_backward_scale"] = float(aux_loss_backward_scale)
+    spec = spec.model_copy(update=update)
     name = _checked_name(name if name is not None else (spec.name or "").replace("-", "_"))
     def entry(pretrained: bool = False, **kwargs: Any) -> nn.Module:
         return build(spec, pretrained=pretrained, **kwargs)

@@ -1,45 +1,76 @@
-"""The compiled model: trace the dense timm model, apply the plan's passes, attach the spec and the plan.
+"""The compiled model: the dense timm model itself, with MoE layers where the plan puts them.
 
-    create_model(spec)          the MoE model of a spec, freshly initialized
-    compile_model(model, plan)  the passes on an already built dense model (shares its other modules)
+    create_model(spec)          the MoE model of a spec, freshly initialized, in training mode (as timm's)
+    compile_model(model, plan)  the plan applied to an already built dense model (shares its other modules)
+    compile_graph(model, plan)  the torch.fx rewrite that `compile_model` installs: trace, check, swap
+
+The returned model is an instance of the backbone's own class (`VisionTransformer`, `ConvNeXt`, ...): every
+timm method works (`forward_features`, `forward_intermediates`, `reset_classifier`, `group_matcher`,
+`set_grad_checkpointing`) and `model.blocks[i]` indexes as in timm. `no_weight_decay()` adds the experts'
+stacks of 1-D parameters (biases, norms) to the dense model's list, so that timm's optimizer factory treats
+them as it treats the dense FFN's.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
+import types
 
 import torch
 from torch import fx, nn
 
 from ..backbones import create_backbone
 from ..errors import MoespecError
-from ..layers import MOE_LAYERS
+from ..layers import MOE_LAYERS, Experts
 from ..planning import Plan, plan_for
 from ..spec import Spec
 from .passes import replace_ffns, rescale_blocks
 from .tracer import trace
 
 
-def compile_model(model: nn.Module, plan: Plan, *, moe_device: str | torch.device | None = None) -> fx.GraphModule:
-    """Trace `model` and apply the plan. The result shares the non-FFN modules of `model`; its MoE layers
-    are built on `moe_device` (default: the backbone's device).
+def compile_graph(model: nn.Module, plan: Plan, *, moe_device: str | torch.device | None = None) -> fx.GraphModule:
+    """The traced `model` with the plan's passes applied. It shares every module it did not replace with
+    `model`, which it leaves as it was."""
+    return _rewrite(model, plan, moe_device)[0]
+
+
+def compile_model(model: nn.Module, plan: Plan, *, moe_device: str | torch.device | None = None,
+                  inplace: bool = False) -> nn.Module:
+    """`model` (a copy of it sharing its other modules, unless `inplace`) with the modules that
+    `compile_graph` swapped at their call sites swapped in: the same class, the same function as the
+    rewritten graph. Its MoE layers are built on `moe_device` (default: the backbone's device)."""
+    _, swapped = _rewrite(model, plan, moe_device)
+    out = model if inplace else _copy_along(model, list(swapped))
+    for path, module in swapped.items():
+        out.set_submodule(path, module)
+    out.moespec_plan = plan
+    out.moespec_no_weight_decay = sorted(_stacked_1d(out))
+    out.no_weight_decay = types.MethodType(_no_weight_decay, out)
+    return out
+
+
+def _rewrite(model: nn.Module, plan: Plan, moe_device) -> tuple[fx.GraphModule, dict[str, nn.Module]]:
+    """The rewritten graph, and the new module of each swapped path (rebuilt blocks first).
 
     With rescaled blocks: trace with those blocks as leaves, rebuild them (`rescale_blocks`), then trace
     again through the rebuilt blocks so that their FFN call sites can be replaced like any other.
     """
     ffns = {layer.path for layer in plan.layers}
-    gm = model
+    gm, swapped = model, {}
     if plan.rescales:
         blocks = {r.block for r in plan.rescales}
         gm = rescale_blocks(trace(model, blocks | {p for p in ffns if plan.rebuilt(p) is None}), plan)
+        swapped.update((block, gm.get_submodule(block)) for block in sorted(blocks))
     gm = replace_ffns(trace(gm, ffns), plan, moe_device)
-    gm.moespec_plan = plan
-    return gm.train(model.training)
+    swapped.update((layer.path, gm.get_submodule(layer.path)) for layer in plan.layers)
+    return gm, swapped
 
 
-def create_model(spec: Spec, *, device: str | torch.device = "cpu", seed: int | None = None) -> fx.GraphModule:
-    """The MoE model of `spec`, randomly initialized (timm's init for the backbone). Eval mode.
+def create_model(spec: Spec, *, device: str | torch.device = "cpu", seed: int | None = None) -> nn.Module:
+    """The MoE model of `spec`, randomly initialized (timm's init for the backbone), in training mode like a
+    fresh timm model.
 
     `seed` makes the initialization reproducible without touching the caller's random state (the same weights
     as `torch.manual_seed(seed)` before the call). `device="meta"` builds it without allocating weights (for
@@ -53,9 +84,45 @@ def create_model(spec: Spec, *, device: str | torch.device = "cpu", seed: int | 
         plan = plan_for(spec, backbone)
         if str(device) != "meta":
             check_fits_in_memory(backbone, plan)
-        model = compile_model(backbone, plan)
+        model = compile_model(backbone, plan, inplace=True)
     model.moespec_spec = spec
-    return model
+    return model.train()
+
+
+def _no_weight_decay(self: nn.Module) -> set[str]:
+    """The dense class's `no_weight_decay()` plus the experts' stacked biases and norm parameters."""
+    dense = getattr(type(self), "no_weight_decay", None)
+    return set(dense(self) if dense is not None else ()) | set(self.moespec_no_weight_decay)
+
+
+def _stacked_1d(model: nn.Module) -> list[str]:
+    """The expert banks' [E, n] parameters: stacks of the dense FFN's 1-D biases and norm parameters."""
+    return [f"{path}.{bank_name}.{name}" for path, layer in moe_layers(model).items()
+            for bank_name, bank in layer.named_modules() if isinstance(bank, Experts)
+            for name, param in bank.named_parameters() if param.dim() == 2]
+
+
+def _copy_along(model: nn.Module, paths: list[str]) -> nn.Module:
+    """A shallow copy of `model` and of every module on the way to `paths`, so that swapping the modules at
+    `paths` in the copy leaves `model` as it was; every other module (and every tensor) is shared."""
+    root = _shallow(model)
+    for path in paths:
+        parent = root
+        for name in path.split(".")[:-1]:
+            child = parent._modules[name]
+            if not getattr(child, "_moespec_copy", False):
+                child = parent._modules[name] = _shallow(child)
+            parent = child
+    for module in root.modules():
+        module.__dict__.pop("_moespec_copy", None)
+    return root
+
+
+def _shallow(module: nn.Module) -> nn.Module:
+    twin = copy.copy(module)
+    twin._modules = dict(module._modules)
+    twin._moespec_copy = True
+    return twin
 
 
 def check_fits_in_memory(backbone: nn.Module, plan: Plan, share: float = 0.8) -> None:

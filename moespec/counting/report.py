@@ -17,11 +17,12 @@ from .stats import SpecStats
 
 FORMATS = ("table", "markdown", "csv", "json")
 
-SPEC_COLUMNS = ("name", "backbone", "MoE layers", "experts", "params (M)", "activated (M)", "GMACs",
+SPEC_COLUMNS = ("name", "backbone", "MoE layers", "experts (all layers)", "params (M)", "activated (M)", "GMACs",
                 "dense params (M)", "dense GMACs")
 LAYER_COLUMNS = ("name", "module", "experts", "k", "shared", "items", "params (M)", "activated (M)", "GMACs",
                  "executed GMACs")
-FOOTER = ("params: total parameters. activated: parameters used per routed item (everything outside MoE layers "
+FOOTER = ("experts (all layers): routed experts summed over the MoE layers. params: total parameters. "
+          "activated: parameters used per routed item (everything outside MoE layers "
           "+ routers + shared experts + top_k routed experts). GMACs: 10^9 multiply-adds per image at batch 1 "
           "(fvcore's convention: one MAC = one flop), MoE layers at k experts per item with perfect balance and "
           "no drops. M = 10^6; exact counts in --format json.")

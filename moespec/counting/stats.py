@@ -16,6 +16,7 @@ CLI renders them.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import asdict, dataclass, field
 
 from torch import nn
@@ -70,10 +71,24 @@ def count_params(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())  # parameters() already yields each tensor once
 
 
+def at_input_size(spec: Spec, input_size: tuple[int, int, int]) -> Spec:
+    """`spec` at another input size. A backbone built for one image size (a ViT's patch grid and position
+    embedding, a Mixer's token MLPs) takes it as `img_size`, as timm's `create_model(..., img_size=...)`."""
+    update: dict = {"input_size": input_size}
+    model_class = type(create_backbone(spec, device="meta"))
+    if "img_size" in inspect.signature(model_class).parameters:
+        channels, height, width = input_size
+        kwargs = {**spec.backbone.kwargs, "img_size": height if height == width else [height, width]}
+        if channels != 3 or "in_chans" in kwargs:
+            kwargs["in_chans"] = channels
+        update["backbone"] = spec.backbone.model_copy(update={"kwargs": kwargs})
+    return spec.model_copy(update=update)
+
+
 def stats(spec: Spec, *, input_size: tuple[int, int, int] | None = None) -> SpecStats:
     """Parameter and MAC counts of `spec` (at `input_size`, default the spec's) and of its dense backbone."""
     if input_size is not None:
-        spec = spec.model_copy(update={"input_size": tuple(input_size)})
+        spec = at_input_size(spec, tuple(input_size))
     backbone = create_backbone(spec)
     plan = plan_for(spec, backbone)
     dense_params, dense_macs = count_params(backbone), _macs(spec, backbone, plan.input_size).total

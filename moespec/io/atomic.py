@@ -19,7 +19,7 @@ from ..errors import MoespecError
 
 def check_output(path: str | Path, force: bool, *, folder: bool = False) -> Path:
     """Fail before any work if `path` cannot be written: it exists and `force` is not given (a report folder
-    may exist empty), or its parent folder does not exist."""
+    may exist empty), or its parent folder neither exists nor can be created (it is created, like `mkdir -p`)."""
     path = Path(path)
     if folder and path.exists() and not path.is_dir():
         raise MoespecError(f"{path} is a file; the report is a folder")
@@ -27,8 +27,12 @@ def check_output(path: str | Path, force: bool, *, folder: bool = False) -> Path
     if taken and not force:
         what = " and is not empty; pass --force to replace it" if folder else "; pass --force to overwrite it"
         raise MoespecError(f"{path} already exists{what}")
-    if not path.absolute().parent.is_dir():
-        raise MoespecError(f"{path.parent}: no such folder for the output")
+    parent = path.absolute().parent
+    if not parent.is_dir():
+        try:
+            parent.mkdir(parents=True, exist_ok=True)
+        except OSError as err:  # a file where a folder should be, or no permission
+            raise MoespecError(f"{path.parent}: cannot create the output's folder ({err.strerror or err})") from None
     return path
 
 

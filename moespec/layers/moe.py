@@ -2,6 +2,7 @@
 
     items = x as rows [T, C]  (tokens of [B, N, C], or positions of a [B, H, W, C] / [B, C, H, W] map)
     routing = router(items)       -> (item, expert) pairs grouped by expert, with gate weights
+                                     (under torch.export: every expert on every item, combined densely)
     experts(items[pairs])         -> one contiguous segment per expert
     y = index_add(weight * out)   -> weighted scatter back; an item no expert took gets 0 (its residual
                                      carries it)
@@ -14,11 +15,16 @@ level); this layer only moves rows. `SoftMoE` (soft.py) is the one layer with it
 
 from __future__ import annotations
 
+import warnings
+import weakref
+from typing import Callable
+
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .experts import Experts
-from .routers import AUX_LOSSES, Routing
+from .routing import AUX_LOSSES, Routing
 
 
 class MoE(nn.Module):
@@ -31,17 +37,21 @@ class MoE(nn.Module):
         channels_dim: where the features are: -1 for [..., C] inputs, 1 for [B, C, H, W].
         aux_loss_weights: aux-loss kind -> weight, summed by `moespec.aux_loss(model)`.
         aux_loss_in_backward: attach the weighted aux loss to the output with `AuxLossAutoScaler`, so that its
-            gradient (times `aux_loss_backward_scale`) reaches the router in backward without `moespec.aux_loss`.
+            gradient reaches the router in backward without `moespec.aux_loss`, times
+        aux_loss_backward_scale: the loop's loss factor (1/N for N accumulation steps), and the scale of the
+            GradScaler given to `follow_grad_scaler`, if any.
     """
 
     def __init__(self, router: nn.Module, experts: Experts, shared: Experts | None = None, *, channels_dim: int = -1,
-                 aux_loss_weights: dict[str, float] | None = None, aux_loss_in_backward: bool = False):
+                 aux_loss_weights: dict[str, float] | None = None, aux_loss_in_backward: bool = False,
+                 aux_loss_backward_scale: float = 1.0):
         super().__init__()
         self.router, self.experts, self.shared = router, experts, shared
         self.channels_dim = channels_dim
         self.aux_loss_weights = dict(aux_loss_weights or {})
         self.aux_loss_in_backward = aux_loss_in_backward
-        self.aux_loss_backward_scale = 1.0  # e.g. 1 / accumulation steps, or the AMP grad scaler's scale
+        self.aux_loss_backward_scale = aux_loss_backward_scale
+        self.grad_scaler = None  # a torch.amp.GradScaler whose current scale multiplies the aux gradient
         self.aux_losses: dict[str, torch.Tensor] = {}
         self.last_routing: Routing | None = None
         self.last_items = self.last_images = 0
@@ -62,17 +72,46 @@ class MoE(nn.Module):
         if self.experts.needs_groups or (self.shared is not None and self.shared.needs_groups):
             groups = torch.arange(images, device=x.device).repeat_interleave(items.shape[0] // images)
         routing = self.router(items, images)
-        rows = routing.item
-        out = self.experts(items[rows], routing.counts, groups[rows] if groups is not None else None)
-        y = items.new_zeros(items.shape[0], out.shape[-1]).index_add_(0, rows, out * routing.weights.unsqueeze(-1))
+        if torch.compiler.is_exporting():
+            y = self._dense_combine(items, routing)
+        else:
+            rows = routing.item
+            out = self.experts(items[rows], routing.counts, groups[rows] if groups is not None else None)
+            y = items.new_zeros(items.shape[0], out.shape[-1]).index_add_(0, rows, out * routing.weights.unsqueeze(-1))
         if self.shared is not None:
             y = y + self.shared.forward_all(items, groups)
+        if torch.compiler.is_exporting():  # an exported graph is a pure function: no routing state, no aux loss
+            y = y.reshape(*channels_last.shape[:-1], y.shape[-1])
+            return y if channels_last is x else y.movedim(-1, self.channels_dim)
         self.last_routing, self.last_items, self.last_images = routing, items.shape[0], images
         self.aux_losses = {kind: fn(routing) for kind, fn in AUX_LOSSES.items()}
         if self.aux_loss_in_backward and (loss := self.weighted_aux_loss()) is not None and loss.requires_grad:
-            y = AuxLossAutoScaler.apply(y, loss, self.aux_loss_backward_scale)
+            BACKWARD_SCALE_CHECK.on_forward(self, x)
+            y = AuxLossAutoScaler.apply(y, loss, self.backward_scale)
         y = y.reshape(*channels_last.shape[:-1], y.shape[-1])
         return y if channels_last is x else y.movedim(-1, self.channels_dim)
+
+    def backward_scale(self) -> float:
+        """The aux gradient's scale, read in backward: `aux_loss_backward_scale`, times the current scale of a
+        followed GradScaler (the one it multiplied this backward's loss by)."""
+        BACKWARD_SCALE_CHECK.on_backward(self)
+        scale = self.aux_loss_backward_scale
+        if self.grad_scaler is not None and self.grad_scaler.is_enabled():
+            scale = scale * self.grad_scaler.get_scale()
+        return scale
+
+    def _dense_combine(self, items: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """The export-friendly expert step: every expert on every item, combined with the routing weights (0
+        for a pair the router dropped), so that no shape depends on the data. The same function as the sparse
+        step, at E / k times its expert compute; used only while `torch.export` traces."""
+        if self.experts.needs_groups:
+            raise NotImplementedError("GRN experts normalize over the positions they receive, which has no static "
+                                      "shape; a model with GRN experts does not export")
+        experts, count = self.num_experts, items.shape[0]
+        combine = items.new_zeros(count, experts).index_put_((routing.item, routing.expert), routing.weights,
+                                                             accumulate=True)
+        out = self.experts.batched(items.unsqueeze(0).expand(experts, count, items.shape[1]))  # [E, T, C']
+        return torch.einsum("te,etc->tc", combine, out)
 
     def router_weights(self) -> list[nn.Parameter]:
         """The weights that decide the routing (the gate's), which upcycling initializes afresh."""
@@ -119,11 +158,14 @@ class MoE(nn.Module):
 
 class AuxLossAutoScaler(torch.autograd.Function):
     """Identity on a layer's output that also sends a gradient into its aux loss in backward (Megatron-LM's
-    `MoEAuxLossAutoScaler`): backward returns the output's gradient unchanged and `scale` as the gradient of
-    `aux_loss`, exactly as if `scale * aux_loss` had been added to the loss being differentiated."""
+    `MoEAuxLossAutoScaler`): backward returns the output's gradient unchanged and the layer's backward scale
+    as the gradient of `aux_loss`, exactly as if `scale * aux_loss` had been added to the loss being
+    differentiated. `scale` is a number, or a function called in backward (`MoE.backward_scale`), so that a
+    GradScaler's scale is the one it multiplied this backward's loss by."""
 
     @staticmethod
-    def forward(ctx, output: torch.Tensor, aux_loss: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    def forward(ctx, output: torch.Tensor, aux_loss: torch.Tensor,
+                scale: float | Callable[[], float] = 1.0) -> torch.Tensor:
         ctx.save_for_backward(aux_loss)
         ctx.scale = scale
         return output.view_as(output)
@@ -131,7 +173,74 @@ class AuxLossAutoScaler(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
         (aux_loss,) = ctx.saved_tensors
-        return grad_output, torch.full_like(aux_loss, ctx.scale), None
+        scale = ctx.scale() if callable(ctx.scale) else ctx.scale
+        return grad_output, torch.full_like(aux_loss, scale), None
+
+
+def follow_grad_scaler(model: nn.Module, scaler) -> None:
+    """Multiply every MoE layer's in-backward aux gradient by `scaler`'s current scale (a torch.amp.GradScaler,
+    or timm's NativeScaler), as the scaler multiplies the task loss; its unscale then divides both alike."""
+    scaler = getattr(scaler, "_scaler", scaler)  # timm's NativeScaler wraps a GradScaler
+    for layer in model.modules():
+        if isinstance(layer, MoE):
+            layer.grad_scaler = scaler
+
+
+class BackwardScaleCheck:
+    """Warns, once, when the in-backward aux gradient is likely scaled unlike the task loss:
+
+    - the backward passes per optimizer step (N micro-batches of gradient accumulation) disagree with
+      `aux_loss_backward_scale` (which should be 1/N) on two optimizer steps in a row (so that the short last
+      accumulation of an epoch does not warn);
+    - a training forward runs under float16 autocast, whose loops scale the loss with a GradScaler, and no
+      scaler is followed (`follow_grad_scaler`).
+
+    Backward passes are counted per layer in `AuxLossAutoScaler.backward` (a checkpointed forward recomputed in
+    backward does not count twice); optimizer steps are seen through torch's global optimizer step hook.
+    """
+
+    def __init__(self):
+        self.layers: weakref.WeakSet[MoE] = weakref.WeakSet()
+        self.backwards: weakref.WeakKeyDictionary[MoE, int] = weakref.WeakKeyDictionary()
+        self.mismatches = 0
+        self.hook = None
+        self.warned: set[str] = set()
+
+    def on_forward(self, layer: MoE, x: torch.Tensor) -> None:
+        if self.hook is None:
+            self.hook = register_optimizer_step_post_hook(self.on_step)
+        device = x.device.type
+        if (layer.grad_scaler is None and torch.is_autocast_enabled(device)
+                and torch.get_autocast_dtype(device) == torch.float16):
+            self._warn("fp16", "moespec: an MoE layer sends its aux loss into backward under float16 autocast, "
+                               "where a GradScaler usually multiplies the loss; the aux gradient is then unscaled "
+                               "with it and ends up 1/scale too weak. Call moespec.follow_grad_scaler(model, "
+                               "scaler) in your loop, or train in bfloat16 (timm's train.py: --amp-dtype bfloat16)")
+
+    def on_backward(self, layer: MoE) -> None:
+        self.layers.add(layer)
+        self.backwards[layer] = self.backwards.get(layer, 0) + 1
+
+    def on_step(self, optimizer, args, kwargs) -> None:
+        counts = {(n, layer.aux_loss_backward_scale) for layer, n in self.backwards.items() if n}
+        self.backwards.clear()
+        wrong = [(n, scale) for n, scale in counts if abs(n * scale - 1.0) > 1e-6]
+        self.mismatches = self.mismatches + 1 if wrong else 0
+        if self.mismatches >= 2:
+            n, scale = wrong[0]
+            self._warn("accumulation", f"moespec: {n} backward passes per optimizer step, but the in-backward aux "
+                                       f"loss is scaled by aux_loss_backward_scale = {scale:g}; with gradient "
+                                       f"accumulation over {n} micro-batches set it to 1/{n} (the spec's "
+                                       f"aux_loss_backward_scale, or register_timm(..., "
+                                       f"aux_loss_backward_scale={1 / n:g}))")
+
+    def _warn(self, key: str, message: str) -> None:
+        if key not in self.warned:
+            self.warned.add(key)
+            warnings.warn(message, stacklevel=3)
+
+
+BACKWARD_SCALE_CHECK = BackwardScaleCheck()
 
 
 def aux_loss(model: nn.Module) -> torch.Tensor:

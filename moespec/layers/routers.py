@@ -13,12 +13,12 @@ that take numbers, never specs; each router kind of `moespec/routers/` builds it
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from .routing import Routing, group_pairs, load_counts, smooth_load
 
 
 class LinearGate(nn.Module):
@@ -64,63 +64,6 @@ class ProjectedGate(nn.Module):
         if self.metric == "cosine":
             return F.linear(F.normalize(z, dim=-1), F.normalize(self.weight, dim=-1)) / self.temperature
         return -torch.cdist(z.float(), self.weight.float()).to(z.dtype) / self.temperature
-
-
-@dataclass
-class Routing:
-    """The routing decision of one forward.
-
-    Attributes:
-        probs: [U, E] softmax of the router logits per decision unit (item, or image for image routing).
-        logits: [U, E] router logits (before noise).
-        item: [P] item index of each (item, expert) pair, pairs grouped by expert in expert order.
-        counts: [E] pairs per expert (segment lengths).
-        weights: [P] gate value each pair's expert output is scaled by.
-        top1: [U] best expert per decision unit; top1_value: [U] its gate probability.
-        load: [E] items assigned to each expert before any capacity drop (smooth under router noise).
-        kept: [T] whether each item was dispatched to at least one expert.
-    """
-
-    probs: torch.Tensor
-    logits: torch.Tensor
-    item: torch.Tensor
-    counts: torch.Tensor
-    weights: torch.Tensor
-    top1: torch.Tensor
-    top1_value: torch.Tensor
-    load: torch.Tensor
-    kept: torch.Tensor
-
-    @property
-    def num_experts(self) -> int:
-        return self.probs.shape[-1]
-
-
-def _pairs(experts: torch.Tensor, weights: torch.Tensor, num_experts: int, priority: torch.Tensor | None = None,
-           capacity: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Group the choices `experts` [T, k] (gate values `weights` [T, k]) by expert.
-
-    With a `capacity`, each expert keeps its first `capacity` pairs in fill order: first choices before
-    second choices, then by item position, or by `priority` [T] descending (BPR). Returns the item index
-    [P] and weight [P] of each kept pair, grouped by expert, and the pairs per expert [E].
-    """
-    tokens, top_k = experts.shape
-    flat = experts.reshape(-1)
-    if capacity is None:
-        order = torch.argsort(flat, stable=True)
-    else:
-        rank = torch.arange(tokens, device=flat.device)
-        if priority is not None:
-            rank = torch.empty_like(rank).index_copy_(0, torch.argsort(priority, descending=True, stable=True), rank)
-        slot = torch.arange(top_k, device=flat.device).repeat(tokens)
-        order = torch.argsort((flat * top_k + slot) * tokens + rank.repeat_interleave(top_k))
-    counts = torch.bincount(flat, minlength=num_experts)
-    if capacity is not None:
-        starts = torch.cumsum(counts, 0) - counts
-        position = torch.arange(order.numel(), device=flat.device) - starts.repeat_interleave(counts)
-        order = order[position < capacity]
-        counts = counts.clamp(max=capacity)
-    return order // top_k, counts, weights.reshape(-1)[order]
 
 
 class TopKRouter(nn.Module):
@@ -174,33 +117,16 @@ class TopKRouter(nn.Module):
         weights, experts = probs.topk(self.top_k, dim=-1)
         if self.normalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        load = _load(logits, noisy, self.top_k, self.noise_std if self.training else 0.0, experts)
-        kept = torch.ones(x.shape[0], dtype=torch.bool, device=x.device)
+        load = smooth_load(logits, noisy, self.top_k, self.noise_std if self.training else 0.0, experts)
+        dispatched = None
         if self.drop_fraction > 0:
             dropped = math.floor(self.drop_fraction * x.shape[0])
-            kept[torch.argsort(weights[:, 0], stable=True)[:dropped]] = False
-        keep_rows = kept.nonzero().squeeze(1)
-        item, counts, pair_weights = _pairs(
-            experts[keep_rows], weights[keep_rows], self.num_experts,
-            priority=weights[keep_rows, 0] if self.bpr else None, capacity=self.capacity(x.shape[0]))
-        item = keep_rows[item]
-        kept = torch.zeros_like(kept).index_fill_(0, item, True)
-        return Routing(probs, logits, item, counts, pair_weights.to(x.dtype), experts[:, 0], weights[:, 0], load, kept)
-
-
-def _load(logits: torch.Tensor, noisy: torch.Tensor, top_k: int, noise_std: float,
-          experts: torch.Tensor) -> torch.Tensor:
-    """Load_i = sum over items of P(i is in the item's top-k). Without noise it is a count; with noise it is
-    Shazeer's smooth estimate: Phi((clean_i - threshold) / std), the threshold being the k-th largest noisy
-    logit among the other experts."""
-    if noise_std <= 0 or top_k >= logits.shape[-1]:
-        return torch.zeros(logits.shape[-1], device=logits.device).index_add_(
-            0, experts.reshape(-1), torch.ones(experts.numel(), device=logits.device))
-    top = noisy.topk(top_k + 1, dim=-1).values
-    is_in = noisy >= top[:, top_k - 1 : top_k]
-    threshold = torch.where(is_in, top[:, top_k : top_k + 1], top[:, top_k - 1 : top_k])
-    normal = torch.distributions.Normal(0.0, 1.0)
-    return normal.cdf((logits - threshold) / noise_std).sum(dim=0)
+            dispatched = torch.ones(x.shape[0], dtype=torch.bool, device=x.device)
+            dispatched[torch.argsort(weights[:, 0], stable=True)[:dropped]] = False
+        pairs = group_pairs(experts, weights, self.num_experts, priority=weights[:, 0] if self.bpr else None,
+                            capacity=self.capacity(x.shape[0]), dispatched=dispatched)
+        return Routing(probs, logits, pairs.item, pairs.counts, pairs.weights.to(x.dtype), experts[:, 0], weights[:, 0],
+                       load, pairs.kept, pairs.expert)
 
 
 class ImageRouter(nn.Module):
@@ -230,11 +156,9 @@ class ImageRouter(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         tokens = per_image.shape[1]
         token_experts = experts.repeat_interleave(tokens, dim=0)
-        item, counts, pair_weights = _pairs(token_experts, weights.repeat_interleave(tokens, dim=0), self.num_experts)
-        load = torch.zeros(self.num_experts, device=x.device).index_add_(
-            0, experts.reshape(-1), torch.ones(experts.numel(), device=x.device))
-        kept = torch.ones(x.shape[0], dtype=torch.bool, device=x.device)
-        return Routing(probs, logits, item, counts, pair_weights.to(x.dtype), experts[:, 0], weights[:, 0], load, kept)
+        pairs = group_pairs(token_experts, weights.repeat_interleave(tokens, dim=0), self.num_experts)
+        return Routing(probs, logits, pairs.item, pairs.counts, pairs.weights.to(x.dtype), experts[:, 0], weights[:, 0],
+                       load_counts(experts, self.num_experts), pairs.kept, pairs.expert)
 
 
 class ExpertChoiceRouter(nn.Module):
@@ -265,48 +189,6 @@ class ExpertChoiceRouter(nn.Module):
         counts = torch.full((self.num_experts,), chosen.shape[1], dtype=torch.long, device=x.device)
         kept = torch.zeros(x.shape[0], dtype=torch.bool, device=x.device).index_fill_(0, item, True)
         top1_value, top1 = probs.max(dim=-1)
+        expert = torch.arange(self.num_experts, device=x.device).repeat_interleave(chosen.shape[1])
         return Routing(probs, logits, item, counts, values.reshape(-1).to(x.dtype), top1, top1_value,
-                       counts.float(), kept)
-
-
-AUX_LOSSES: dict[str, Callable[[Routing], torch.Tensor]] = {}
-"""Aux-loss kind (the spec's `aux_loss.kind`) -> function of a Routing."""
-
-
-def register_aux_loss(kind: str) -> Callable[[Callable[[Routing], torch.Tensor]], Callable[[Routing], torch.Tensor]]:
-    """Register the decorated function of a Routing as the aux loss `kind`."""
-
-    def wrap(loss: Callable[[Routing], torch.Tensor]) -> Callable[[Routing], torch.Tensor]:
-        AUX_LOSSES[kind] = loss
-        return loss
-
-    return wrap
-
-
-@register_aux_loss("importance_load")
-def importance_load_loss(routing: Routing) -> torch.Tensor:
-    """Shazeer et al. 2017: (CV(importance)^2 + CV(load)^2) / 2, with Importance_i = sum_x p_i(x) and
-    Load_i = sum_x P(i in top-k of x) (a count without router noise: only importance carries gradient)."""
-    return (_cv_squared(routing.probs.sum(dim=0)) + _cv_squared(routing.load)) / 2
-
-
-@register_aux_loss("switch")
-def switch_loss(routing: Routing) -> torch.Tensor:
-    """Fedus et al. 2021: E * sum_i f_i * P_i, f_i = share of units whose top-1 is i, P_i = mean prob of i."""
-    experts = routing.num_experts
-    top1 = F.one_hot(routing.top1, experts).float()
-    return experts * (top1.mean(dim=0) * routing.probs.mean(dim=0)).sum()
-
-
-@register_aux_loss("z_loss")
-def z_loss(routing: Routing) -> torch.Tensor:
-    """ST-MoE router z-loss (Zoph et al. 2022): mean over units of logsumexp(logits)^2."""
-    return torch.logsumexp(routing.logits, dim=-1).square().mean()
-
-
-def _cv_squared(x: torch.Tensor) -> torch.Tensor:
-    """Squared coefficient of variation, var(x) / mean(x)^2 (population variance; 0 for a single expert)."""
-    if x.numel() <= 1:
-        return x.new_zeros(())
-    return x.var(unbiased=False) / (x.mean() ** 2 + 1e-10)
-
+                       counts.float(), kept, expert)

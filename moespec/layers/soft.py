@@ -77,8 +77,9 @@ class SoftMoE(nn.Module):
         y = torch.einsum("bns,bsc->bnc", combine, slot_outputs)
         if self.shared is not None:
             y = y + self.shared.forward_all(tokens.reshape(-1, dim)).reshape(images, tokens.shape[1], -1)
-        self.last_dispatch, self.last_combine = dispatch, combine
-        self.last_items, self.last_images = images * tokens.shape[1], images
+        if not torch.compiler.is_exporting():  # an exported graph is a pure function: no routing state
+            self.last_dispatch, self.last_combine = dispatch, combine
+            self.last_items, self.last_images = images * tokens.shape[1], images
         y = y.reshape(*channels_last.shape[:-1], y.shape[-1])
         return y if channels_last is x else y.movedim(-1, self.channels_dim)
 

@@ -14,7 +14,7 @@ def checkpoint_problem(spec: Spec) -> Problem | None:
     if spec.backbone.checkpoint is None:
         return None
     path = spec.resolve_path(spec.backbone.checkpoint)
-    if path.suffix not in DENSE_SUFFIXES:
+    if not path.name.endswith(DENSE_SUFFIXES):
         return spec_problem(spec, "backbone.checkpoint", f"unknown checkpoint type {path.suffix!r} of {str(path)!r}; "
                                                          f"expected one of {', '.join(DENSE_SUFFIXES)}")
     if not path.is_file():

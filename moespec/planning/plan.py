@@ -39,6 +39,7 @@ class LayerPlan:
     capacity_factor: float | None = None
     aux_loss_weights: dict = field(default_factory=dict, hash=False)  # aux-loss kind -> summed weight
     aux_loss_in_backward: bool = False  # the aux loss reaches the gradients without `moespec.aux_loss`
+    aux_loss_backward_scale: float = 1.0  # ... times the loop's loss factor (1/N with N accumulation steps)
 
     @property
     def kind(self) -> RouterKind:
@@ -277,6 +278,7 @@ def _layer_plan(spec: Spec, index: int, group: MoEGroup, block: int, path: str, 
         experts=group.experts, top_k=group.top_k, shared_experts=group.shared_experts,
         router=router, capacity_factor=group.capacity_factor, aux_loss_weights=_aux_loss_weights(group),
         aux_loss_in_backward=spec.aux_loss_in_backward,
+        aux_loss_backward_scale=spec.aux_loss_backward_scale,
     )
 
 

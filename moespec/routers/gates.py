@@ -66,7 +66,7 @@ def describe_gate(kind: str, router: dict) -> str:
 def sparse_moe(router: nn.Module, layer: Any, experts: Experts, shared: Experts | None) -> MoE:
     """The sparse MoE layer of a `planning.LayerPlan` around a router module."""
     return MoE(router, experts, shared, channels_dim=layer.channels_dim, aux_loss_weights=dict(layer.aux_loss_weights),
-               aux_loss_in_backward=layer.aux_loss_in_backward)
+               aux_loss_in_backward=layer.aux_loss_in_backward, aux_loss_backward_scale=layer.aux_loss_backward_scale)
 
 
 def routed_pairs(moe: MoE) -> tuple[Any, float]:

@@ -60,12 +60,13 @@ class HashRouter(nn.Module):
         """x: [T, C] items, image after image -> a Routing with one (item, expert) pair per item."""
         experts = self.table(x.shape[0] // images, x.device).repeat(images)  # [T]
         item = torch.argsort(experts, stable=True)  # pairs grouped by expert, in item order within each
-        counts = torch.bincount(experts, minlength=self.num_experts)
+        counts = torch.zeros(self.num_experts, dtype=torch.long, device=x.device).index_add_(
+            0, experts, torch.ones_like(experts))
         probs = F.one_hot(experts, self.num_experts).float()  # [T, E]: the hash is certain
         ones = torch.ones(x.shape[0], device=x.device)
         return Routing(probs=probs, logits=torch.zeros_like(probs), item=item, counts=counts,
                        weights=ones.to(x.dtype)[item], top1=experts, top1_value=ones, load=counts.float(),
-                       kept=torch.ones(x.shape[0], dtype=torch.bool, device=x.device))
+                       kept=torch.ones(x.shape[0], dtype=torch.bool, device=x.device), expert=experts[item])
 
     def extra_repr(self) -> str:
         return f"experts={self.num_experts}, seed={self.seed}"

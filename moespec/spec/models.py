@@ -36,7 +36,7 @@ from .fields import NonNegativeFloat, NonNegativeInt, OneOrList, PositiveFloat, 
 from .registry import ROUTER_KINDS, RouterSpec, on_register
 from .selectors import where_type
 
-DENSE_SUFFIXES = (".safetensors", ".pth", ".pt", ".bin")
+DENSE_SUFFIXES = (".safetensors", ".pth", ".pt", ".bin", ".pth.tar")
 """The dense checkpoint files `backbone.checkpoint` may name."""
 
 DEFAULT_ROUTER_KIND = "topk"
@@ -215,6 +215,10 @@ class Spec(SpecModel):
     """Add every MoE layer's weighted aux loss to the gradients in backward (like Megatron's
     MoEAuxLossAutoScaler), for training loops that never call `moespec.aux_loss`; `moespec.aux_loss(model)`
     then returns the value detached, for logging, so adding it as well does not count it twice."""
+    aux_loss_backward_scale: PositiveFloat = 1.0
+    """With aux_loss_in_backward: the factor the training loop multiplies its loss by before backward, so
+    that the aux loss gets the same: 1/N for gradient accumulation over N micro-batches (timm's train.py
+    --grad-accum-steps N). A GradScaler's changing scale is followed with `moespec.follow_grad_scaler`."""
     _source: Optional[str] = PrivateAttr(default=None)
 
     @property

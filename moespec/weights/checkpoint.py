@@ -25,8 +25,9 @@ from ..io import (
     write_sharded,
 )
 from ..spec import Spec, load_spec
-from .dense import check_state_dict
+from .dense import check_state_dict, read_state_dict
 
+PICKLED_SUFFIXES = (".pth", ".pt", ".bin", ".pth.tar")
 SPEC_KEY, SPEC_HASH_KEY, VERSION_KEY = "moespec.spec", "moespec.spec_sha256", "moespec.version"
 
 
@@ -68,17 +69,34 @@ def read_spec(path: str | Path) -> Spec:
     return load_spec(f"{path}[spec]", text=spec_yaml)
 
 
-def load(path: str | Path, *, device: str | torch.device = "cpu") -> nn.Module:
-    """Rebuild the MoE model from the spec inside a moespec checkpoint (one file or shards) and load its
-    weights straight into it (cast to the model's dtype), so memory holds the model plus one tensor."""
-    spec = read_spec(path)
-    _, files = checkpoint_files(path)
+def load(path: str | Path, *, spec: Spec | str | Path | None = None, device: str | torch.device = "cpu",
+         ema: bool = False, trust_pickle: bool = False) -> nn.Module:
+    """The MoE model of a checkpoint, in training mode (as timm returns models).
+
+    Without `spec`: a moespec checkpoint (one file or shards); the model is rebuilt from the spec inside it and
+    its weights are read straight into it (cast to the model's dtype), so memory holds the model plus one
+    tensor. With `spec` (a Spec or a spec file): any checkpoint of that spec's model: a moespec or plain
+    safetensors file, or a pickled state dict or training checkpoint such as timm's `model_best.pth.tar`
+    (its "state_dict", or with `ema` its "state_dict_ema"; pickled training state needs `trust_pickle`).
+    """
+    pickled = spec is not None and not Path(path).is_dir() and Path(path).name.endswith(PICKLED_SUFFIXES)
+    if spec is None and not Path(path).is_dir() and Path(path).name.endswith(PICKLED_SUFFIXES):
+        raise CheckpointError(f"{path}: a pickled checkpoint holds no spec; say which spec's model it holds "
+                              f"(spec=..., or --spec on the command line)")
+    if spec is None:
+        spec = read_spec(path)
+    elif not isinstance(spec, Spec):
+        spec = load_spec(spec)
     model = create_model(spec, device=device)
+    if pickled:
+        state = read_state_dict(path, trust_pickle=trust_pickle, ema=ema)
+        check_state_dict(state, model, f"{path}")
+        model.load_state_dict(state)
+        return model
+    _, files = checkpoint_files(path)
     shapes = {name: shape for file in files for name, shape in safetensors_shapes(file).items()}
     check_state_dict(shapes, model, f"{path}")
     targets = model.state_dict()
     for file in files:
         read_safetensors_into(file, targets)
     return model
-
-

@@ -1,14 +1,23 @@
-"""The dense side of upcycling: the backbone with the weights to start from (a .safetensors file, plain tensors
-pickled in .pth / .pt / .bin, timm's pretrained weights or a fresh init), checked against the model."""
+"""The dense side of upcycling: the backbone with the weights to start from (a .safetensors file, tensors
+pickled in .pth / .pt / .bin / timm's .pth.tar training checkpoints, timm's pretrained weights or a fresh
+init), fitted to the spec's model the way timm fits pretrained weights, and checked.
+
+Fitting uses timm's own machinery: the model module's `checkpoint_filter_fn` (which resamples a ViT's
+position embedding to a new `img_size`), timm's `clean_state_dict` (DDP / torch.compile prefixes) and the
+pretrained_cfg's `classifier` name: a checkpoint head that does not fit `num_classes` is dropped and the
+head keeps its fresh init, as `timm.create_model(..., pretrained=True, num_classes=N)` does.
+"""
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
 from typing import Mapping
 
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
+from timm.models import clean_state_dict
 from torch import nn
 
 from ..backbones import create_backbone
@@ -17,40 +26,57 @@ from ..io import read_safetensors_into, safetensors_shapes
 from ..planning import checkpoint_problem
 from ..spec import DENSE_SUFFIXES, Spec
 
+TRAINING_KEYS = ("state_dict", "model")
+"""Where a training checkpoint keeps its weights (timm's train.py: "state_dict"; others: "model")."""
+EMA_KEYS = ("state_dict_ema", "model_ema")
+"""... and its EMA weights (timm's train.py with --model-ema)."""
 
-def read_state_dict(path: str | Path, *, trust_pickle: bool = False) -> dict[str, torch.Tensor]:
-    """A dense state dict from .safetensors, or .pth / .pt / .bin (plain, or under "state_dict" / "model").
 
-    Pickled files are read with `weights_only=True`; a file that needs arbitrary unpickling (a training
-    checkpoint holding an argparse Namespace, say) is refused unless `trust_pickle`, since unpickling can run
-    any code the file's author wrote."""
+def read_state_dict(path: str | Path, *, trust_pickle: bool = False, ema: bool = False) -> dict[str, torch.Tensor]:
+    """A state dict from .safetensors, or a pickled .pth / .pt / .bin / .pth.tar file: plain tensors, or a
+    training checkpoint holding them under "state_dict" or "model" (with `ema`, "state_dict_ema" or
+    "model_ema"), with DDP's "module." prefix removed.
+
+    Pickled files are read with `weights_only=True`; a file that needs arbitrary unpickling (timm's training
+    checkpoints hold an argparse Namespace) is refused unless `trust_pickle`, since unpickling can run any
+    code the file's author wrote."""
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"{path}: no such checkpoint file")
-    if path.suffix not in DENSE_SUFFIXES:
+    if not path.name.endswith(DENSE_SUFFIXES):
         raise CheckpointError(f"{path}: unknown checkpoint type {path.suffix!r}; expected one of "
                               f"{', '.join(DENSE_SUFFIXES)}")
-    try:
-        if path.suffix == ".safetensors":
+    if path.suffix == ".safetensors":
+        safetensors_shapes(path)  # a damaged header gets its precise error
+        try:
             state = load_file(str(path))
-        else:
-            state = torch.load(path, map_location="cpu", weights_only=not trust_pickle)
-    except (SafetensorError, RuntimeError, EOFError, OSError, ValueError) as err:
-        raise CheckpointError(f"{path}: cannot read checkpoint ({type(err).__name__}: {err}); is it truncated or not "
-                              f"a checkpoint?") from None
+        except (SafetensorError, OSError) as err:
+            raise CheckpointError(f"{path}: cannot read safetensors ({err}); is it truncated?") from None
+    else:
+        state = _unpickle(path, trust_pickle)
+    if isinstance(state, dict):
+        keys = [k for k in (EMA_KEYS if ema else ()) + TRAINING_KEYS if isinstance(state.get(k), dict)]
+        if ema and not any(k in EMA_KEYS for k in keys):
+            raise CheckpointError(f"{path}: has no EMA weights (no {' / '.join(EMA_KEYS)}); leave out --ema")
+        state = state[keys[0]] if keys else state
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise CheckpointError(f"{path}: expected a mapping of tensor names to tensors, or a training checkpoint with "
+                              f"one under {' / '.join(TRAINING_KEYS + EMA_KEYS)}")
+    return clean_state_dict(state)
+
+
+def _unpickle(path: Path, trust_pickle: bool) -> object:
+    try:
+        return torch.load(path, map_location="cpu", weights_only=not trust_pickle)
+    except (RuntimeError, EOFError, OSError) as err:  # a torch zip archive cut short, or not one at all
+        raise CheckpointError(f"{path}: cannot read checkpoint ({type(err).__name__}: {err}); is it a complete "
+                              f"PyTorch checkpoint?") from None
     except Exception as err:  # torch.load's weights_only refusals are pickle.UnpicklingError
         first = str(err).strip().splitlines()[-1] if str(err).strip() else err.__class__.__name__
         raise CheckpointError(f"{path}: refused to unpickle ({first[:200]}); moespec loads plain tensors only. If you "
                               f"trust this file, pass --trust-pickle (trust_pickle=True): unpickling can run "
-                              f"arbitrary code") from None
-    for key in ("state_dict", "model"):
-        if isinstance(state, dict) and isinstance(state.get(key), dict):
-            state = state[key]
-    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-        raise CheckpointError(f"{path}: expected a mapping of tensor names to tensors")
-    if state and all(k.startswith("module.") for k in state):  # saved from DistributedDataParallel
-        state = {k.removeprefix("module."): v for k, v in state.items()}
-    return state
+                              f"arbitrary code. timm's training checkpoints need it: they hold the run's arguments"
+                              ) from None
 
 
 def check_state_dict(state: Mapping[str, torch.Tensor | tuple[int, ...]], reference: nn.Module, what: str) -> None:
@@ -72,9 +98,38 @@ def check_state_dict(state: Mapping[str, torch.Tensor | tuple[int, ...]], refere
         raise CheckpointError("\n".join(lines))
 
 
+def fit_to_model(state: dict[str, torch.Tensor], model: nn.Module) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """`state` fitted to `model` as timm fits pretrained weights, and one line per change made: the model
+    module's `checkpoint_filter_fn` (a new `img_size` resamples the position embedding), then the head: a
+    checkpoint head of another shape, or none, leaves the model's freshly initialized head in place."""
+    notes = []
+    before = {k: tuple(v.shape) for k, v in state.items()}
+    filter_fn = getattr(importlib.import_module(type(model).__module__), "checkpoint_filter_fn", None)
+    if filter_fn is not None:
+        state = filter_fn(state, model)
+        notes += [f"{k} resampled from {list(before[k])} to {list(v.shape)} (timm's checkpoint filter)"
+                  for k, v in state.items() if k in before and tuple(v.shape) != before[k]]
+    own = model.state_dict()
+    classifier = model.pretrained_cfg.get("classifier") if hasattr(model, "pretrained_cfg") else None
+    heads = [classifier] if isinstance(classifier, str) else list(classifier or ())
+    head_keys = [k for k in own if any(k.startswith(f"{head}.") for head in heads)]
+    held = [k for k in state if any(k.startswith(f"{head}.") for head in heads)]
+    if head_keys and not held:
+        notes.append(f"head: the checkpoint has none; {', '.join(heads)} keeps its fresh init "
+                     f"({getattr(model, 'num_classes', '?')} classes)")
+    elif held and any(k not in own or tuple(state[k].shape) != tuple(own[k].shape) for k in held):
+        rows = state[held[0]].shape[0]
+        state = {k: v for k, v in state.items() if k not in held}
+        notes.append(f"head: the checkpoint's ({rows} classes) does not fit {getattr(model, 'num_classes', '?')} "
+                     f"classes; dropped, {', '.join(heads)} freshly initialized")
+    state = {**{k: own[k] for k in head_keys if k not in state}, **state}
+    return state, notes
+
+
 def dense_model(spec: Spec, checkpoint: str | Path | None = None, *,
                 trust_pickle: bool = False) -> tuple[nn.Module, str]:
-    """The dense backbone with the weights to upcycle from, and a description of their source.
+    """The dense backbone with the weights to upcycle from, and a description of their source (with what
+    fitting them to the spec's model changed, see `fit_to_model`).
 
     Source, first that applies: `checkpoint`, the spec's `backbone.checkpoint` (relative to the spec file),
     timm's pretrained weights if `backbone.pretrained`, else timm's fresh random init.
@@ -86,18 +141,25 @@ def dense_model(spec: Spec, checkpoint: str | Path | None = None, *,
         checkpoint = spec.resolve_path(spec.backbone.checkpoint)
     if checkpoint is not None:
         dense = create_backbone(spec)
-        if Path(checkpoint).suffix == ".safetensors" and Path(checkpoint).is_file():  # read in place: no second copy
-            check_state_dict(safetensors_shapes(checkpoint), dense, f"checkpoint {checkpoint}")
+        notes = []
+        if _fits_as_is(checkpoint, dense):  # read in place: no second copy of a large file
             read_safetensors_into(checkpoint, dense.state_dict())
         else:
-            state = read_state_dict(checkpoint, trust_pickle=trust_pickle)
+            state, notes = fit_to_model(read_state_dict(checkpoint, trust_pickle=trust_pickle), dense)
             check_state_dict(state, dense, f"checkpoint {checkpoint}")
             dense.load_state_dict(state)
         refuse_non_finite(dense.state_dict(), str(checkpoint))
-        return dense, str(checkpoint)
+        return dense, "; ".join([str(checkpoint), *notes])
     if spec.backbone.pretrained:
         return create_backbone(spec, pretrained=True), f"timm pretrained {spec.backbone.model}"
     return create_backbone(spec), f"fresh {spec.backbone.model} (random init)"
+
+
+def _fits_as_is(checkpoint: str | Path, model: nn.Module) -> bool:
+    """A safetensors file whose header names exactly the model's tensors at their shapes."""
+    if Path(checkpoint).suffix != ".safetensors" or not Path(checkpoint).is_file():
+        return False
+    return safetensors_shapes(checkpoint) == {k: tuple(v.shape) for k, v in model.state_dict().items()}
 
 
 def refuse_non_finite(state: dict[str, torch.Tensor], source: str) -> None:

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-from torch import fx, nn
+from torch import nn
 
 from ..backbones import adapter_named
 from ..compiler import create_model, moe_layers
@@ -82,14 +82,14 @@ def caveats(plan: Plan) -> tuple[str, ...]:
 
 
 def upcycle(spec: Spec, checkpoint: str | Path | None = None, *, seed: int = 0,
-            trust_pickle: bool = False) -> fx.GraphModule:
+            trust_pickle: bool = False) -> nn.Module:
     """The MoE model of `spec` with every expert copied from the dense FFN (see `dense_model` for sources)."""
     model, _ = upcycle_with_report(spec, checkpoint, seed=seed, check=False, trust_pickle=trust_pickle)
     return model
 
 
 def upcycle_with_report(spec: Spec, checkpoint: str | Path | None = None, *, seed: int = 0,
-                        check: bool = True, trust_pickle: bool = False) -> tuple[fx.GraphModule, UpcycleReport | None]:
+                        check: bool = True, trust_pickle: bool = False) -> tuple[nn.Module, UpcycleReport | None]:
     """`upcycle`, plus a comparison of the upcycled model's logits with the dense model's on random input."""
     dense, source = dense_model(spec, checkpoint, trust_pickle=trust_pickle)
     generator = torch.Generator().manual_seed(seed)
@@ -98,7 +98,7 @@ def upcycle_with_report(spec: Spec, checkpoint: str | Path | None = None, *, see
     if not check:
         return model, None
     report = compare(dense, model, model.moespec_plan.input_size, source, generator)
-    return model, dataclasses.replace(report, caveats=caveats(model.moespec_plan))
+    return model.train(), dataclasses.replace(report, caveats=caveats(model.moespec_plan))
 
 
 def upcycle_into(model: nn.Module, spec: Spec, plan: Plan, dense: dict[str, torch.Tensor],

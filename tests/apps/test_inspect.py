@@ -7,6 +7,7 @@ import os
 import stat
 import subprocess
 import sys
+from argparse import Namespace
 
 import numpy as np
 import pytest
@@ -171,6 +172,18 @@ def test_a_checkpoint_routes_like_the_model_it_was_saved_from(workspace, report,
     assert [layer.share for layer in again.layers] == [layer.share for layer in result.layers]
 
 
+def test_a_timm_training_checkpoint_routes_like_its_model_with_the_spec_given(workspace, report, tmp_path):
+    """timm's train.py saves model_best.pth.tar: weights under state_dict, the run's arguments pickled."""
+    result, model = report
+    path = tmp_path / "model_best.pth.tar"
+    torch.save({"epoch": 1, "state_dict": model.state_dict(), "args": Namespace(lr=0.1)}, path)
+    with pytest.raises(moespec.CheckpointError, match="pass --trust-pickle"):
+        load_model(path, spec=workspace / "spec.yaml")
+    loaded = load_model(path, spec=workspace / "spec.yaml", trust_pickle=True)
+    again = inspect_routing(loaded, find_images(workspace / "images"), batch_size=5)
+    assert [layer.share for layer in again.layers] == [layer.share for layer in result.layers]
+
+
 def _cli(*args):
     return CliRunner().invoke(app, [str(a) for a in args])
 
@@ -212,6 +225,7 @@ def test_without_matplotlib_inspect_names_the_extra(workspace, tmp_path, monkeyp
                              "pip install 'moespec[plot]'\n")
 
 
+@pytest.mark.slow
 def test_inspect_command_end_to_end(workspace):
     argv = [sys.executable, "-m", "moespec.cli", "inspect", "spec.yaml", "--images", "images", "-o", "report",
             "--limit", "3", "--batch-size", "4"]

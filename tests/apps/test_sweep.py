@@ -139,6 +139,7 @@ def test_render_adds_the_swept_values_as_columns(tiny_spec):
     assert "moe.0.where" in render(records, "table", settings=settings)
 
 
+@pytest.mark.slow
 def test_sweep_command_prints_the_valid_points_lists_the_invalid_and_plots(tiny_spec):
     folder = tiny_spec.parent
     argv = [sys.executable, "-m", "moespec.cli", "sweep", str(tiny_spec), "--set", "moe.0.experts=2,4",

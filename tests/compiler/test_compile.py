@@ -8,6 +8,8 @@ import torch
 from torch import fx
 
 import moespec
+from moespec.backbones import create_backbone
+from moespec.compiler import compile_graph, compile_model
 from moespec.layers import MoE
 
 from ..conftest import SPECS_DIR, TINY_CONVNEXT, TINY_INPUT, TINY_VIT, make_spec, randomize
@@ -16,13 +18,13 @@ from ..conftest import SPECS_DIR, TINY_CONVNEXT, TINY_INPUT, TINY_VIT, make_spec
 @pytest.mark.parametrize("backbone", [TINY_VIT, TINY_CONVNEXT], ids=["vit", "convnext"])
 def test_no_moe_compiles_to_exactly_the_eager_model(backbone):
     spec = make_spec(backbone, [])
-    model = moespec.create_model(spec)
+    model = moespec.create_model(spec).eval()
     eager = timm.create_model(backbone["model"], **backbone["kwargs"]).eval()
     eager.load_state_dict(model.state_dict())
     randomize(eager)
     model.load_state_dict(eager.state_dict())
     x = torch.randn(2, *TINY_INPUT)
-    assert isinstance(model, fx.GraphModule)
+    assert type(model) is type(eager)
     assert torch.equal(model(x), eager(x))
 
 
@@ -81,6 +83,25 @@ def test_every_ffn_family_compiles_trains_and_upcycles_exactly(case, tmp_path):
     upcycled = moespec.upcycle(no_shared, path).eval()
     with torch.no_grad():
         torch.testing.assert_close(upcycled(x), dense(x), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("case", FAMILIES)
+def test_the_fx_rewrite_and_the_returned_timm_model_compute_the_same_function(case):
+    """compile_model installs exactly the modules that the fx passes swapped at their call sites: with the
+    same seed, the rewritten graph and the returned timm model are the same function."""
+    spec = _family_spec(case, experts=4, top_k=2)
+    dense = randomize(create_backbone(spec))
+    plan = moespec.plan(spec)
+    torch.manual_seed(0)
+    graph = compile_graph(dense, plan)
+    torch.manual_seed(0)
+    model = compile_model(dense, plan)
+    assert isinstance(graph, fx.GraphModule) and type(model) is type(dense)
+    assert not moespec.moe_layers(dense)  # the dense model is left as it was
+    assert moespec.moe_layers(model).keys() == {layer.path for layer in plan.layers}
+    x = torch.randn(2, *spec.input_size)
+    with torch.no_grad():
+        assert torch.equal(graph.eval()(x), model.eval()(x))
 
 
 def test_compiled_model_keeps_state_dict_names_and_timm_attributes():

@@ -6,9 +6,11 @@ import math
 
 import pytest
 import torch
+from timm.models.mlp_mixer import MixerBlock
 
 import moespec
 from moespec.backbones import create_backbone
+from moespec.compiler import compile_graph
 from moespec.layers import MoE
 from moespec.weights import upcycle_with_report
 
@@ -62,10 +64,12 @@ def test_plan_shows_the_rescale_and_the_graph_has_it():
     plan = moespec.plan(spec)
     assert str(plan.rescales[0]) == "rescale blocks.2: [16, 64] -> [32, 32] (rebuilt, hidden 24 / 48) -> [16, 64]"
     assert "rescale blocks.2" in str(plan)
-    model = moespec.create_model(spec)
-    called = [n.target for n in model.graph.nodes if n.op == "call_module" and n.target.startswith("blocks.2")]
+    graph = compile_graph(create_backbone(spec), plan)
+    called = [n.target for n in graph.graph.nodes if n.op == "call_module" and n.target.startswith("blocks.2")]
     assert called[0] == "blocks.2.rescale_in" and called[-1] == "blocks.2.rescale_out"
     assert "blocks.2.mlp_tokens" in called and "blocks.2.mlp_channels" in called
+    model = moespec.create_model(spec)
+    assert isinstance(model.blocks[2], MixerBlock) and type(model.blocks[2]).__name__ == "RescaledMixerBlock"
     tokens = model.get_submodule("blocks.2.mlp_tokens")
     assert isinstance(tokens, MoE) and tokens.experts.in_features == 32 and tokens.experts.hidden == 24
 

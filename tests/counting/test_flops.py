@@ -155,6 +155,7 @@ def test_shipped_spec_counts_follow_the_formulas(path):
     assert [(layer.items, layer.experts) for layer in s.layers] == [(items, e) for *_, e, _, items, _ in layers]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", SPECS, ids=[p.stem for p in SPECS])
 def test_no_matmul_like_op_is_left_uncounted(path):
     spec = moespec.load_spec(path)
@@ -194,8 +195,11 @@ def test_input_size_override_and_a_size_the_model_cannot_take():
     head = 5 * 768 + 768 * 1000  # LayerNorm + fc on the pooled vector: the same at any size
     assert large.input_size == (3, 128, 128)
     assert large.gmacs * 1e9 - head == pytest.approx(4 * (small.gmacs * 1e9 - head), rel=1e-9)  # 4x the pixels
-    with pytest.raises(moespec.SpecError, match=r"cannot take input size \[3, 96, 96\]"):
-        moespec.stats(make_spec(TINY_VIT, []), input_size=(3, 96, 96))
+    vit = moespec.stats(make_spec(TINY_VIT, []), input_size=(3, 96, 96))  # built at img_size 96: 36 patches
+    assert vit.input_size == (3, 96, 96)
+    assert vit.total_params == moespec.stats(make_spec(TINY_VIT, [])).total_params + 20 * 384  # pos_embed: 37 tokens
+    with pytest.raises(moespec.SpecError, match=r"cannot take input size \[3, 16, 16\]"):
+        moespec.stats(spec, input_size=(3, 16, 16))  # ConvNeXt's last downsampling conv is larger than its input
     assert TINY_INPUT == [3, 64, 64]
 
 

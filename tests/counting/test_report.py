@@ -25,7 +25,7 @@ RECORD = SpecStats(name="made-up", spec="", backbone="vit_small_patch16_224", in
 
 def test_csv_has_one_row_per_spec_with_millions_and_three_decimals():
     rows = list(csv.reader(io.StringIO(render([RECORD], "csv"))))
-    assert rows[0] == ["name", "backbone", "MoE layers", "experts", "params (M)", "activated (M)", "GMACs",
+    assert rows[0] == ["name", "backbone", "MoE layers", "experts (all layers)", "params (M)", "activated (M)", "GMACs",
                        "dense params (M)", "dense GMACs"]
     # 30_500_000 / 1e6 = 30.50; 15_437_500 / 1e6 = 15.4375 -> 15.44; 4.61234 -> 4.612
     assert rows[1] == ["made-up", "vit_small_patch16_224", "2", "16", "30.50", "15.44", "4.612", "22.05", "4.600"]

@@ -11,7 +11,7 @@ from torch import nn
 
 from moespec.layers import Experts, LinearGate, MoE, Routing, TopKRouter
 from moespec.layers.moe import aux_loss
-from moespec.layers.routers import importance_load_loss, switch_loss, z_loss
+from moespec.layers.routing import importance_load_loss, switch_loss, z_loss
 
 
 def _moe(dim=6, hidden=5, experts=4, top_k=2, normalize=False, shared=0, capacity_factor=None, seed=0):

@@ -221,6 +221,7 @@ def test_mutated_documents_fail_only_as_user_errors(doc, spec_file):
     _load_and_plan(yaml.safe_dump(doc, sort_keys=False), spec_file, isinstance(doc, dict) and _plannable(doc))
 
 
+@pytest.mark.slow
 @given(text=mutated_text())
 def test_mutated_yaml_text_fails_only_as_user_errors(text, spec_file):
     try:

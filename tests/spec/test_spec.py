@@ -206,8 +206,8 @@ inputsize: [3, 224, 224]
     problem = only_problem(path)
     assert (problem.file, problem.line, problem.path) == (str(path), line_of(text, "inputsize"), "inputsize")
     assert problem.message == (
-        "unknown key 'inputsize'; allowed: name, backbone, input_size, rescale, moe, upcycle, aux_loss_in_backward; "
-        "did you mean 'input_size'?"
+        "unknown key 'inputsize'; allowed: name, backbone, input_size, rescale, moe, upcycle, aux_loss_in_backward, "
+        "aux_loss_backward_scale; did you mean 'input_size'?"
     )
 
 
@@ -220,7 +220,7 @@ colour: red
     problem = only_problem(path)
     assert (problem.line, problem.path) == (2, "colour")
     assert problem.message == ("unknown key 'colour'; allowed: name, backbone, input_size, rescale, moe, upcycle, "
-                               "aux_loss_in_backward")
+                               "aux_loss_in_backward, aux_loss_backward_scale")
     assert "did you mean" not in problem.message
 
 
@@ -500,7 +500,8 @@ def test_to_yaml_round_trips(tmp_path, which):
     # every default is written out, and the file-derived name is kept
     data = yaml.safe_load(text)
     assert data["name"] == spec.name
-    assert set(data) == {"name", "backbone", "input_size", "rescale", "moe", "upcycle", "aux_loss_in_backward"}
+    assert set(data) == {"name", "backbone", "input_size", "rescale", "moe", "upcycle", "aux_loss_in_backward",
+                         "aux_loss_backward_scale"}
     assert set(data["moe"][0]) == set(GROUP_KEYS.split(", "))
 
 

@@ -1,0 +1,161 @@
+"""What a router decides, and what is computed from it: the `Routing` of one forward, the grouping of
+(item, expert) choices into per-expert segments (with capacity, priority and drops), and the aux losses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class Routing:
+    """The routing decision of one forward.
+
+    Attributes:
+        probs: [U, E] softmax of the router logits per decision unit (item, or image for image routing).
+        logits: [U, E] router logits (before noise).
+        item: [P] item index of each (item, expert) pair, pairs grouped by expert in expert order.
+        counts: [E] pairs per expert (segment lengths).
+        weights: [P] gate value each pair's expert output is scaled by.
+        top1: [U] best expert per decision unit; top1_value: [U] its gate probability.
+        load: [E] items assigned to each expert before any capacity drop (smooth under router noise).
+        kept: [T] whether each item was dispatched to at least one expert.
+        expert: [P] expert of each pair.
+    """
+
+    probs: torch.Tensor
+    logits: torch.Tensor
+    item: torch.Tensor
+    counts: torch.Tensor
+    weights: torch.Tensor
+    top1: torch.Tensor
+    top1_value: torch.Tensor
+    load: torch.Tensor
+    kept: torch.Tensor
+    expert: torch.Tensor | None = None
+
+    @property
+    def num_experts(self) -> int:
+        return self.probs.shape[-1]
+
+
+class Pairs(NamedTuple):
+    item: torch.Tensor  # [P] item of each pair, grouped by expert
+    counts: torch.Tensor  # [E] pairs per expert
+    weights: torch.Tensor  # [P] gate value of each pair
+    expert: torch.Tensor  # [P] expert of each pair
+    kept: torch.Tensor  # [T] whether the item is in at least one pair (of non-zero weight, when static)
+
+
+def group_pairs(experts: torch.Tensor, weights: torch.Tensor, num_experts: int, *,
+                priority: torch.Tensor | None = None, capacity: int | None = None,
+                dispatched: torch.Tensor | None = None) -> Pairs:
+    """Group the choices `experts` [T, k] (gate values `weights` [T, k]) by expert.
+
+    Only the items where `dispatched` [T] is true take part (None: all). With a `capacity`, each expert
+    keeps its first `capacity` pairs in fill order: first choices before second choices, then by item
+    position, or by `priority` [T] descending (BPR).
+
+    While `torch.export` traces (`static`), every one of the T * k choices stays a pair and a dropped one
+    gets weight 0, so that no shape depends on the data; the MoE layer then combines densely.
+    """
+    static = torch.compiler.is_exporting()
+    tokens, top_k = experts.shape
+    flat = experts.reshape(-1)
+    if dispatched is not None:  # items not dispatched go to a last, dummy expert: they take no capacity
+        flat = torch.where(dispatched.repeat_interleave(top_k), flat, num_experts)
+    if capacity is None:
+        order = torch.argsort(flat, stable=True)
+    else:
+        rank = torch.arange(tokens, device=flat.device)
+        if priority is not None:
+            rank = torch.empty_like(rank).index_copy_(0, torch.argsort(priority, descending=True, stable=True), rank)
+        slot = torch.arange(top_k, device=flat.device).repeat(tokens)
+        order = torch.argsort((flat * top_k + slot) * tokens + rank.repeat_interleave(top_k))
+    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=flat.device).index_add_(
+        0, flat, torch.ones_like(flat))  # with the dummy expert last; bincount's length would depend on the data
+    expert = flat[order]
+    keep = expert < num_experts
+    if capacity is not None:
+        starts = torch.cumsum(counts, 0) - counts
+        position = torch.arange(order.numel(), device=flat.device) - starts[expert]  # rank within its expert
+        keep = keep & (position < capacity)
+    counts = counts[:num_experts] if capacity is None else counts[:num_experts].clamp(max=capacity)
+    pair_weights = weights.reshape(-1)[order]
+    if static:
+        item = order // top_k
+        kept = torch.zeros(tokens, dtype=torch.bool, device=flat.device).index_put_((item,), keep, accumulate=True)
+        return Pairs(item, counts, pair_weights * keep, expert.clamp(max=num_experts - 1), kept)
+    if capacity is not None or dispatched is not None:
+        order, pair_weights, expert = order[keep], pair_weights[keep], expert[keep]
+    item = order // top_k
+    kept = torch.zeros(tokens, dtype=torch.bool, device=flat.device).index_fill_(0, item, True)
+    return Pairs(item, counts, pair_weights, expert, kept)
+
+
+def smooth_load(logits: torch.Tensor, noisy: torch.Tensor, top_k: int, noise_std: float,
+          experts: torch.Tensor) -> torch.Tensor:
+    """Load_i = sum over items of P(i is in the item's top-k). Without noise it is a count; with noise it is
+    Shazeer's smooth estimate: Phi((clean_i - threshold) / std), the threshold being the k-th largest noisy
+    logit among the other experts."""
+    if noise_std <= 0 or top_k >= logits.shape[-1]:
+        return load_counts(experts, logits.shape[-1])
+    top = noisy.topk(top_k + 1, dim=-1).values
+    is_in = noisy >= top[:, top_k - 1 : top_k]
+    threshold = torch.where(is_in, top[:, top_k : top_k + 1], top[:, top_k - 1 : top_k])
+    normal = torch.distributions.Normal(0.0, 1.0)
+    return normal.cdf((logits - threshold) / noise_std).sum(dim=0)
+
+
+def load_counts(experts: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """[E] how many of the choices `experts` (any shape) pick each expert, as floats."""
+    flat = experts.reshape(-1)
+    ones = torch.ones(flat.numel(), device=flat.device)
+    return torch.zeros(num_experts, device=flat.device).index_add_(0, flat, ones)
+
+
+AUX_LOSSES: dict[str, Callable[[Routing], torch.Tensor]] = {}
+"""Aux-loss kind (the spec's `aux_loss.kind`) -> function of a Routing."""
+
+
+def register_aux_loss(kind: str) -> Callable[[Callable[[Routing], torch.Tensor]], Callable[[Routing], torch.Tensor]]:
+    """Register the decorated function of a Routing as the aux loss `kind`."""
+
+    def wrap(loss: Callable[[Routing], torch.Tensor]) -> Callable[[Routing], torch.Tensor]:
+        AUX_LOSSES[kind] = loss
+        return loss
+
+    return wrap
+
+
+@register_aux_loss("importance_load")
+def importance_load_loss(routing: Routing) -> torch.Tensor:
+    """Shazeer et al. 2017: (CV(importance)^2 + CV(load)^2) / 2, with Importance_i = sum_x p_i(x) and
+    Load_i = sum_x P(i in top-k of x) (a count without router noise: only importance carries gradient)."""
+    return (_cv_squared(routing.probs.sum(dim=0)) + _cv_squared(routing.load)) / 2
+
+
+@register_aux_loss("switch")
+def switch_loss(routing: Routing) -> torch.Tensor:
+    """Fedus et al. 2021: E * sum_i f_i * P_i, f_i = share of units whose top-1 is i, P_i = mean prob of i."""
+    experts = routing.num_experts
+    top1 = F.one_hot(routing.top1, experts).float()
+    return experts * (top1.mean(dim=0) * routing.probs.mean(dim=0)).sum()
+
+
+@register_aux_loss("z_loss")
+def z_loss(routing: Routing) -> torch.Tensor:
+    """ST-MoE router z-loss (Zoph et al. 2022): mean over units of logsumexp(logits)^2."""
+    return torch.logsumexp(routing.logits, dim=-1).square().mean()
+
+
+def _cv_squared(x: torch.Tensor) -> torch.Tensor:
+    """Squared coefficient of variation, var(x) / mean(x)^2 (population variance; 0 for a single expert)."""
+    if x.numel() <= 1:
+        return x.new_zeros(())
+    return x.var(unbiased=False) / (x.mean() ** 2 + 1e-10)
+

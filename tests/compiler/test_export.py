@@ -1,0 +1,57 @@
+"""Export: an eval-mode model with any router exports with torch.export and with torch.onnx (dynamo) and
+computes what the eager model computes. While exporting, the MoE layer runs every expert on every item and
+combines with the routing weights, so that no shape depends on the data (`MoE._dense_combine`)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import moespec
+
+from ..conftest import TINY_CONVNEXT, TINY_INPUT, TINY_VIT, make_spec
+
+ROUTERS = {
+    "topk": {"experts": 4, "top_k": 2},
+    "topk-capacity": {"experts": 4, "top_k": 2, "capacity_factor": 1.0},
+    "topk-bpr": {"experts": 4, "top_k": 1, "capacity_factor": 0.5, "router": {"kind": "topk", "bpr": True}},
+    "topk-drop": {"experts": 4, "top_k": 2, "router": {"kind": "topk", "drop_fraction": 0.25}},
+    "topk-shared-cosine": {"experts": 4, "top_k": 1, "shared_experts": 1,
+                           "router": {"kind": "topk", "gate": {"kind": "cosine"}}},
+    "expert_choice": {"experts": 4, "router": {"kind": "expert_choice"}},
+    "image": {"experts": 4, "top_k": 2, "router": {"kind": "image"}},
+    "soft": {"experts": 4, "router": {"kind": "soft"}},
+}
+
+
+def _model(backbone: dict, group: dict) -> torch.nn.Module:
+    return moespec.create_model(make_spec(backbone, [{"where": {"every": 1}, **group}]), seed=0).eval()
+
+
+# every router on token sequences; on ConvNeXt's feature maps (channels first and last) the token routers
+CASES = [(TINY_VIT, router) for router in ROUTERS] + [(TINY_CONVNEXT, router) for router in
+                                                     ("topk", "topk-capacity", "expert_choice")]
+
+
+@pytest.mark.parametrize("backbone,router", CASES, ids=[f"{b['model'].split('_')[0]}-{r}" for b, r in CASES])
+def test_torch_export_matches_eager(backbone, router):
+    model = _model(backbone, ROUTERS[router])
+    exported = torch.export.export(model, (torch.randn(2, *TINY_INPUT),))
+    assert all(layer.last_items == 0 for layer in moespec.moe_layers(model).values())  # export left no state
+    x = torch.randn(2, *TINY_INPUT)  # not the tracing input: the routing differs
+    with torch.no_grad():
+        torch.testing.assert_close(exported.module()(x), model(x), atol=1e-5, rtol=0)
+
+
+@pytest.mark.slow  # the ONNX conversion takes seconds per model
+@pytest.mark.parametrize("router", ["topk-capacity", "expert_choice", "soft"])
+def test_onnx_export_matches_eager(router, tmp_path):
+    onnxruntime = pytest.importorskip("onnxruntime")
+    model = _model(TINY_VIT, ROUTERS[router])
+    path = tmp_path / "model.onnx"
+    torch.onnx.export(model, (torch.randn(2, *TINY_INPUT),), str(path), dynamo=True)
+    x = torch.randn(2, *TINY_INPUT)
+    session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    (got,) = session.run(None, {session.get_inputs()[0].name: x.numpy()})
+    with torch.no_grad():
+        torch.testing.assert_close(torch.from_numpy(got), model(x), atol=1e-5, rtol=0)
