@@ -1,7 +1,7 @@
 """Benchmark the MoE layer against a dense FFN of equal activated FLOPs, Soft MoE scaling, and whole models.
 
     python tools/bench_moe.py [--quick] [--device cpu|cuda] [--dtype fp32|bf16] [--dispatch auto|loop|padded|grouped_mm]
-                              [--only layer|soft|model] [--json out.json]
+                              [--only layer|soft|model|groups] [--json out.json]
 
 1. Layer: top-k MoE (E experts of width 4d, top-k) vs a dense FFN of width k * 4d on the same T tokens,
    d = 384, measured interleaved in one process; median ms and the ratio MoE / dense, forward and
@@ -10,6 +10,9 @@
    (the paper's claim: cost follows slots, not experts), and with one slot per expert from 8 to 1024.
 3. Models at batch 32: (MoE images/s) / (dense images/s) / (dense GMACs / MoE GMACs); 1.0 = no routing
    overhead.
+4. Routing groups at T = 6304 (32 images of 197 tokens): the capacity-limited top-k (with and without BPR)
+   and expert-choice layers routing each image alone (`group: image`) against the whole batch (`group:
+   batch`): the router alone and the whole layer, forward, interleaved; ratio image / batch.
 Figures only: machines are noisy, so nothing here is a test.
 """
 
@@ -25,7 +28,7 @@ from timm.layers import Mlp
 from torch import nn
 
 import moespec
-from moespec.layers import Experts, LinearGate, MoE, SoftMoE, TopKRouter
+from moespec.layers import ExpertChoiceRouter, Experts, LinearGate, MoE, SoftMoE, TopKRouter
 
 
 def _time(fn, repeats: int) -> list[float]:
@@ -124,6 +127,37 @@ def model_bench(device, dtype, quick: bool) -> list[dict]:
     return rows
 
 
+def group_bench(device, dtype, quick: bool) -> list[dict]:
+    dim, experts, images, tokens, rows = 384, 8, 32, 197, []
+    routers = {
+        "topk k=2 cf=1.25": lambda group: TopKRouter(LinearGate(dim, experts), experts, 2, capacity_factor=1.25,
+                                                     group=group),
+        "topk k=1 cf=1.0 bpr": lambda group: TopKRouter(LinearGate(dim, experts), experts, 1, capacity_factor=1.0,
+                                                        bpr=True, group=group),
+        "expert choice c=1": lambda group: ExpertChoiceRouter(LinearGate(dim, experts), experts, 1.0, group=group),
+    }
+    x = torch.randn(images, tokens, dim, device=device, dtype=dtype)
+    items = x.reshape(-1, dim)
+    for name, make in routers.items():
+        layers = {}
+        for label, group in (("image", 1), ("batch", None)):
+            torch.manual_seed(0)
+            layers[label] = MoE(make(group), Experts(experts, dim, 4 * dim, dim, act=nn.GELU())).to(device, dtype)
+            layers[label].eval()
+        repeats = 5 if quick else 15
+        with torch.no_grad():
+            route = interleaved({label: (lambda m=m: m.router(items, images)) for label, m in layers.items()}, repeats)
+            layer = interleaved({label: (lambda m=m: m(x)) for label, m in layers.items()}, repeats)
+        rows.append({"router": name, "tokens": images * tokens, "route_image_ms": route["image"],
+                     "route_batch_ms": route["batch"], "route_ratio": route["image"] / route["batch"],
+                     "layer_image_ms": layer["image"], "layer_batch_ms": layer["batch"],
+                     "layer_ratio": layer["image"] / layer["batch"]})
+        print(f"groups {name:20s} T={images * tokens}: routing {route['image']:7.2f} / {route['batch']:7.2f} ms = "
+              f"{rows[-1]['route_ratio']:.2f}x   layer {layer['image']:8.2f} / {layer['batch']:8.2f} ms = "
+              f"{rows[-1]['layer_ratio']:.2f}x  (group image / group batch)", flush=True)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a few settings only")
@@ -132,14 +166,14 @@ def main() -> None:
     parser.add_argument("--dispatch", default="auto", choices=["auto", "loop", "padded", "grouped_mm"],
                         help="force the experts' step (default: picked by device, dtype and size)")
     parser.add_argument("--json", help="also write the figures to this file")
-    parser.add_argument("--only", choices=["layer", "soft", "model"], action="append")
+    parser.add_argument("--only", choices=["layer", "soft", "model", "groups"], action="append")
     args = parser.parse_args()
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
-    parts = args.only or ["layer", "soft", "model"]
+    parts = args.only or ["layer", "soft", "model", "groups"]
     Experts.dispatch = args.dispatch
     results = {"device": args.device, "dtype": args.dtype, "dispatch": args.dispatch,
                "threads": torch.get_num_threads()}
-    for part, fn in (("layer", layer_bench), ("soft", soft_bench), ("model", model_bench)):
+    for part, fn in (("layer", layer_bench), ("soft", soft_bench), ("model", model_bench), ("groups", group_bench)):
         if part in parts:
             results[part] = fn(args.device, dtype, args.quick)
     if args.json:

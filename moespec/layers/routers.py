@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .routing import Routing, group_pairs, load_counts, smooth_load
+from .routing import Groups, Routing, group_pairs, load_counts, smooth_load
 
 
 class LinearGate(nn.Module):
@@ -78,14 +78,18 @@ class TopKRouter(nn.Module):
         bpr: fill capacity by each item's top-1 gate value instead of item order (Riquelme et al. 2021).
         drop_fraction: importance-score routing (Sparse-MLP): this fraction of items, those with the lowest
             top-1 gate value, is not dispatched.
+        group: images per routing group (1: each image alone; None: the whole batch). Capacity, BPR order and
+            drops are decided within each group, T above being the group's items.
     """
 
     def __init__(self, gate: nn.Module, experts: int, top_k: int, *, normalize: bool = False, noise_std: float = 0.0,
-                 capacity_factor: float | None = None, bpr: bool = False, drop_fraction: float = 0.0):
+                 capacity_factor: float | None = None, bpr: bool = False, drop_fraction: float = 0.0,
+                 group: int | None = 1):
         super().__init__()
         self.gate, self.num_experts, self.top_k = gate, experts, top_k
         self.normalize, self.noise_std = normalize, noise_std
         self.capacity_factor, self.bpr, self.drop_fraction = capacity_factor, bpr, drop_fraction
+        self.group = group
 
     def capacity(self, items: int) -> int | None:
         if self.capacity_factor is None:
@@ -103,10 +107,13 @@ class TopKRouter(nn.Module):
         """Expert rows under perfect balance and no capacity drops: k per dispatched item."""
         return self.top_k * self.dispatched(items)
 
-    def executed_rows(self, items: int) -> int | None:
-        """Expert rows when every expert runs its full capacity (None when dropless)."""
-        capacity = self.capacity(items)
-        return None if capacity is None else self.num_experts * capacity
+    def executed_rows(self, items: int) -> float | None:
+        """Expert rows per `items` (one image's) when every expert runs its full capacity in full routing
+        groups (None when dropless): E * capacity(T_group) / images per group."""
+        if self.capacity_factor is None:
+            return None
+        images = self.group or 1  # `batch` is costed at the stats' batch, one image
+        return self.num_experts * self.capacity(items * images) / images
 
     def forward(self, x: torch.Tensor, images: int = 1) -> Routing:
         logits = self.gate(x).float()
@@ -118,13 +125,15 @@ class TopKRouter(nn.Module):
         if self.normalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         load = smooth_load(logits, noisy, self.top_k, self.noise_std if self.training else 0.0, experts)
+        groups = Groups.of(x.shape[0], images, self.group, self.training)
         dispatched = None
-        if self.drop_fraction > 0:
-            dropped = math.floor(self.drop_fraction * x.shape[0])
-            dispatched = torch.ones(x.shape[0], dtype=torch.bool, device=x.device)
-            dispatched[torch.argsort(weights[:, 0], stable=True)[:dropped]] = False
+        if self.drop_fraction > 0:  # the lowest top-1 gates of each group
+            dropped = torch.tensor([math.floor(self.drop_fraction * n) for n in groups.sizes()], device=x.device)
+            rank = groups.rank(weights[:, 0], x.device)
+            dispatched = rank >= dropped[groups.of_item(x.device)]
+        capacity = None if self.capacity_factor is None else [self.capacity(n) for n in groups.sizes()]
         pairs = group_pairs(experts, weights, self.num_experts, priority=weights[:, 0] if self.bpr else None,
-                            capacity=self.capacity(x.shape[0]), dispatched=dispatched)
+                            capacity=capacity, groups=groups, dispatched=dispatched)
         return Routing(probs, logits, pairs.item, pairs.counts, pairs.weights.to(x.dtype), experts[:, 0], weights[:, 0],
                        load, pairs.kept, pairs.expert)
 
@@ -163,12 +172,14 @@ class ImageRouter(nn.Module):
 
 class ExpertChoiceRouter(nn.Module):
     """Expert choice (Zhou et al. 2022): probs = softmax over experts; expert i takes the C items with the
-    highest probs[:, i], C = round(c * T / E) (at least 1, at most T). An item may be taken by several
-    experts or by none."""
+    highest probs[:, i], C = round(c * T / E) (at least 1, at most T), within each routing group of `group`
+    images (1: each image alone; None: the whole batch), T being the group's items. An item may be taken by
+    several experts or by none."""
 
-    def __init__(self, gate: nn.Module, experts: int, capacity: float = 1.0):
+    def __init__(self, gate: nn.Module, experts: int, capacity: float = 1.0, group: int | None = 1):
         super().__init__()
         self.gate, self.num_experts, self.capacity_per_item = gate, experts, capacity
+        self.group = group
         self.top_k = 1  # for reporting; the average is `capacity` experts per item
 
     def capacity(self, items: int) -> int:
@@ -184,11 +195,24 @@ class ExpertChoiceRouter(nn.Module):
     def forward(self, x: torch.Tensor, images: int = 1) -> Routing:
         logits = self.gate(x).float()
         probs = logits.softmax(dim=-1)
-        values, chosen = probs.t().topk(self.capacity(x.shape[0]), dim=-1)  # [E, C]
-        item = chosen.reshape(-1)
-        counts = torch.full((self.num_experts,), chosen.shape[1], dtype=torch.long, device=x.device)
+        groups = Groups.of(x.shape[0], images, self.group, self.training)
+        experts, size, count = self.num_experts, groups.items, groups.count
+        capacity = [self.capacity(n) for n in groups.sizes()]  # the last group may be shorter (eval)
+        padded = F.pad(probs, (0, 0, 0, count * size - x.shape[0]), value=-1.0)  # a padding row is never chosen
+        values, chosen = padded.reshape(count, size, experts).transpose(1, 2).topk(capacity[0], dim=-1)  # [G, E, C]
+        item = (chosen + torch.arange(count, device=x.device).view(-1, 1, 1) * size).transpose(0, 1)  # [E, G, C]
+        values, expert = values.transpose(0, 1), torch.arange(experts, device=x.device).view(-1, 1, 1)
+        expert = expert.expand_as(item)
+        item, values, expert = item.reshape(-1), values.reshape(-1), expert.reshape(-1)
+        counts = torch.full((experts,), sum(capacity), dtype=torch.long, device=x.device)
+        if capacity[-1] < capacity[0]:  # keep only the last group's own C choices
+            keep = (torch.arange(capacity[0], device=x.device) < torch.tensor(capacity, device=x.device).view(-1, 1))
+            keep = keep.expand(experts, count, capacity[0]).reshape(-1)
+            if torch.compiler.is_exporting():
+                values, item = values * keep, item.clamp(max=x.shape[0] - 1)
+            else:
+                item, values, expert = item[keep], values[keep], expert[keep]
         kept = torch.zeros(x.shape[0], dtype=torch.bool, device=x.device).index_fill_(0, item, True)
         top1_value, top1 = probs.max(dim=-1)
-        expert = torch.arange(self.num_experts, device=x.device).repeat_interleave(chosen.shape[1])
-        return Routing(probs, logits, item, counts, values.reshape(-1).to(x.dtype), top1, top1_value,
+        return Routing(probs, logits, item, counts, values.to(x.dtype), top1, top1_value,
                        counts.float(), kept, expert)

@@ -43,6 +43,45 @@ class Routing:
         return self.probs.shape[-1]
 
 
+@dataclass(frozen=True)
+class Groups:
+    """The routing groups of one forward: `images` images of `per_image` items each, split into groups of
+    `size` consecutive images (the last one shorter when the batch is not a multiple, allowed in eval only).
+    Routers decide capacity, priority and drops within each group, in one batched pass."""
+
+    count: int  # G
+    items: int  # items in a full group, T_g
+    total: int  # items in the batch, T
+
+    @classmethod
+    def of(cls, items: int, images: int, size: int | None, training: bool) -> "Groups":
+        """`size` images per group (None: the whole batch is one group)."""
+        size = images if size is None else min(size, images)
+        if training and images % size:
+            raise ValueError(f"a training batch of {images} images is not a multiple of the routing group of {size} "
+                             f"images (router.group); use a batch size divisible by {size}, or group: image")
+        per_image = items // images
+        return cls(count=-(-images // size), items=size * per_image, total=items)
+
+    def sizes(self) -> list[int]:
+        """Items in each group (the last may be shorter)."""
+        return [self.items] * (self.count - 1) + [self.total - self.items * (self.count - 1)]
+
+    def of_item(self, device: torch.device) -> torch.Tensor:
+        """[T] group index of each item."""
+        return torch.arange(self.total, device=device) // self.items
+
+    def rank(self, key: torch.Tensor | None, device: torch.device, descending: bool = False) -> torch.Tensor:
+        """[T] each item's place in its group: by position, or by `key` [T] (stable)."""
+        group = self.of_item(device)
+        position = torch.arange(self.total, device=device) - group * self.items
+        if key is None:
+            return position
+        order = torch.argsort(key, descending=descending, stable=True)
+        order = order[torch.argsort(group[order], stable=True)]  # by group, then by key
+        return torch.empty_like(position).index_copy_(0, order, position)
+
+
 class Pairs(NamedTuple):
     item: torch.Tensor  # [P] item of each pair, grouped by expert
     counts: torch.Tensor  # [E] pairs per expert
@@ -52,13 +91,13 @@ class Pairs(NamedTuple):
 
 
 def group_pairs(experts: torch.Tensor, weights: torch.Tensor, num_experts: int, *,
-                priority: torch.Tensor | None = None, capacity: int | None = None,
-                dispatched: torch.Tensor | None = None) -> Pairs:
+                priority: torch.Tensor | None = None, capacity: list[int] | None = None,
+                groups: Groups | None = None, dispatched: torch.Tensor | None = None) -> Pairs:
     """Group the choices `experts` [T, k] (gate values `weights` [T, k]) by expert.
 
-    Only the items where `dispatched` [T] is true take part (None: all). With a `capacity`, each expert
-    keeps its first `capacity` pairs in fill order: first choices before second choices, then by item
-    position, or by `priority` [T] descending (BPR).
+    Only the items where `dispatched` [T] is true take part (None: all). With a `capacity` (one per routing
+    group), each expert keeps, in each group, its first `capacity[g]` pairs in fill order: first choices
+    before second choices, then by item position, or by `priority` [T] descending (BPR).
 
     While `torch.export` traces (`static`), every one of the T * k choices stays a pair and a dropped one
     gets weight 0, so that no shape depends on the data; the MoE layer then combines densely.
@@ -66,34 +105,40 @@ def group_pairs(experts: torch.Tensor, weights: torch.Tensor, num_experts: int, 
     static = torch.compiler.is_exporting()
     tokens, top_k = experts.shape
     flat = experts.reshape(-1)
+    device = flat.device
     if dispatched is not None:  # items not dispatched go to a last, dummy expert: they take no capacity
         flat = torch.where(dispatched.repeat_interleave(top_k), flat, num_experts)
+    buckets = num_experts + 1
     if capacity is None:
         order = torch.argsort(flat, stable=True)
-    else:
-        rank = torch.arange(tokens, device=flat.device)
-        if priority is not None:
-            rank = torch.empty_like(rank).index_copy_(0, torch.argsort(priority, descending=True, stable=True), rank)
-        slot = torch.arange(top_k, device=flat.device).repeat(tokens)
-        order = torch.argsort((flat * top_k + slot) * tokens + rank.repeat_interleave(top_k))
-    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=flat.device).index_add_(
-        0, flat, torch.ones_like(flat))  # with the dummy expert last; bincount's length would depend on the data
+        bucket = flat
+    else:  # buckets (expert, group), expert-major, so that the pairs come out grouped by expert
+        groups = groups or Groups(1, tokens, tokens)
+        rank = groups.rank(priority, device, descending=True).repeat_interleave(top_k)
+        slot = torch.arange(top_k, device=device).repeat(tokens)
+        bucket = flat * groups.count + groups.of_item(device).repeat_interleave(top_k)
+        order = torch.argsort((bucket * top_k + slot) * groups.items + rank)
+        buckets *= groups.count
+    counts = torch.zeros(buckets, dtype=torch.long, device=device).index_add_(
+        0, bucket, torch.ones_like(bucket))  # the dummy expert last; bincount's length would depend on the data
     expert = flat[order]
     keep = expert < num_experts
     if capacity is not None:
+        limit = torch.tensor(capacity, device=device).repeat(num_experts + 1)  # per bucket
         starts = torch.cumsum(counts, 0) - counts
-        position = torch.arange(order.numel(), device=flat.device) - starts[expert]  # rank within its expert
-        keep = keep & (position < capacity)
-    counts = counts[:num_experts] if capacity is None else counts[:num_experts].clamp(max=capacity)
+        position = torch.arange(order.numel(), device=device) - starts[bucket[order]]  # rank within its bucket
+        keep = keep & (position < limit[bucket[order]])
+        counts = counts.clamp(max=limit).reshape(num_experts + 1, -1).sum(dim=1)
+    counts = counts[:num_experts]
     pair_weights = weights.reshape(-1)[order]
     if static:
         item = order // top_k
-        kept = torch.zeros(tokens, dtype=torch.bool, device=flat.device).index_put_((item,), keep, accumulate=True)
+        kept = torch.zeros(tokens, dtype=torch.bool, device=device).index_put_((item,), keep, accumulate=True)
         return Pairs(item, counts, pair_weights * keep, expert.clamp(max=num_experts - 1), kept)
     if capacity is not None or dispatched is not None:
         order, pair_weights, expert = order[keep], pair_weights[keep], expert[keep]
     item = order // top_k
-    kept = torch.zeros(tokens, dtype=torch.bool, device=flat.device).index_fill_(0, item, True)
+    kept = torch.zeros(tokens, dtype=torch.bool, device=device).index_fill_(0, item, True)
     return Pairs(item, counts, pair_weights, expert, kept)
 
 

@@ -8,7 +8,16 @@ from typing import Any, ClassVar, Literal
 from ..layers import ExpertChoiceRouter
 from ..spec.fields import PositiveFloat
 from ..spec.registry import Inspection, RouterKind, RouterSpec, register_router_kind
-from .gates import Gate, GateField, build_gate, describe_gate, routed_pairs, sparse_moe
+from .gates import (
+    Gate,
+    GateField,
+    build_gate,
+    describe_gate,
+    describe_group,
+    images_per_group,
+    routed_pairs,
+    sparse_moe,
+)
 
 
 class ExpertChoiceRouterSpec(RouterSpec):
@@ -26,12 +35,15 @@ class ExpertChoiceRouterSpec(RouterSpec):
 
 def build(router: dict, layer: Any, experts, shared):
     gate = build_gate(router["gate"], layer.in_features, layer.experts)
-    return sparse_moe(ExpertChoiceRouter(gate, layer.experts, capacity=router["capacity"]), layer, experts, shared)
+    module = ExpertChoiceRouter(gate, layer.experts, capacity=router["capacity"],
+                                group=images_per_group(router["group"]))
+    return sparse_moe(module, layer, experts, shared)
 
 
 EXPERT_CHOICE = register_router_kind(RouterKind(
     spec=ExpertChoiceRouterSpec, build=build,
-    describe=lambda router, layer: f"{describe_gate('expert_choice', router)} c={router['capacity']:g}",
+    describe=lambda router, layer: f"{describe_gate('expert_choice', router)} c={router['capacity']:g} "
+                                   f"{describe_group(router)}",
     caveats=lambda router, layer: ["with expert choice a token may be taken by several experts or by none"],
     activated=lambda router, layer: (router["capacity"], f"per token, on average (c = {router['capacity']:g} experts)"),
     inspect=Inspection(unit="token", name=lambda top_k: "expert choice",

@@ -50,6 +50,15 @@ GateField = Annotated[Gate, BeforeValidator(_gate_shorthand,
 """A `gate:` field: a Gate mapping, or just its kind."""
 
 
+def images_per_group(group: str | int | None) -> int | None:
+    """A router's `group` as the layer takes it: images per routing group, None for the whole batch."""
+    return 1 if group in (None, "image") else None if group == "batch" else int(group)
+
+
+def describe_group(router: dict) -> str:
+    return f"group={router['group'] or 'image'}"
+
+
 def build_gate(gate: dict, dim: int, experts: int) -> nn.Module:
     """The gate module of a plan's `gate` (linear, cosine or l2) over items of width `dim`."""
     if gate["kind"] == "linear":

@@ -34,6 +34,9 @@ class HashRouterSpec(RouterSpec):
     takes_top_k: ClassVar[bool] = False
     load_balanced: ClassVar[bool] = False  # balanced by construction
 
+    def group_cannot_matter(self, group: Any) -> str:
+        return "the hash router sends each position to its expert whatever else is routed"
+
 
 class HashRouter(nn.Module):
     """Routes item n of each image to expert `table[n]`: a seeded permutation of the positions dealt to the

@@ -22,6 +22,9 @@ class ImageRouterSpec(RouterSpec):
 
     title: ClassVar[str] = "image-level top-k"
 
+    def group_cannot_matter(self, group: Any) -> str:
+        return "image routing decides for each image on its own, from that image's vector"
+
 
 def resolve(router: dict, model: Any, name: str) -> dict:
     """`pool` defaults to the [CLS] token where the model has one (timm ViTs put it first in the sequence)."""

@@ -22,6 +22,9 @@ class SoftRouterSpec(RouterSpec):
     takes_top_k: ClassVar[bool] = False
     load_balanced: ClassVar[bool] = False
 
+    def group_cannot_matter(self, group: Any) -> str:
+        return "Soft MoE mixes the tokens of each image only, with no capacity to share"
+
 
 def build(router: dict, layer: Any, experts, shared):
     return SoftMoE(experts, router["slots_per_expert"], shared, channels_dim=layer.channels_dim)

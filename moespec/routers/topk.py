@@ -10,7 +10,16 @@ from pydantic import Field
 from ..layers import TopKRouter
 from ..spec.fields import NonNegativeFloat
 from ..spec.registry import Inspection, RouterKind, RouterSpec, register_router_kind
-from .gates import Gate, GateField, build_gate, describe_gate, routed_pairs, sparse_moe
+from .gates import (
+    Gate,
+    GateField,
+    build_gate,
+    describe_gate,
+    describe_group,
+    images_per_group,
+    routed_pairs,
+    sparse_moe,
+)
 
 
 class TopKRouterSpec(RouterSpec):
@@ -36,19 +45,27 @@ class TopKRouterSpec(RouterSpec):
             raise ValueError("router.bpr (batch prioritized routing) needs a capacity_factor; set one, e.g. 1.25, "
                              "or remove bpr")
 
+    def group_cannot_matter(self, group: Any) -> str:
+        if group.capacity_factor is None and self.drop_fraction == 0:
+            return "dropless top-k without drops routes every item on its own (a capacity_factor or drop_fraction " \
+                   "decides within the group)"
+        return ""
+
 
 def build(router: dict, layer: Any, experts, shared):
     noise = 1.0 / layer.experts if router["noise"] is True else float(router["noise"])
     module = TopKRouter(build_gate(router["gate"], layer.in_features, layer.experts), layer.experts, layer.top_k,
                         normalize=router["normalize"], noise_std=noise, capacity_factor=layer.capacity_factor,
-                        bpr=router["bpr"], drop_fraction=router["drop_fraction"])
+                        bpr=router["bpr"], drop_fraction=router["drop_fraction"],
+                        group=images_per_group(router["group"]))
     return sparse_moe(module, layer, experts, shared)
 
 
 def describe(router: dict, layer: Any) -> str:
     extras = [("norm", router["normalize"]), ("noise", bool(router["noise"])), ("bpr", router["bpr"]),
               (f"drop={router['drop_fraction']:g}", router["drop_fraction"] > 0),
-              (f"cf={layer.capacity_factor}", layer.capacity_factor is not None)]
+              (f"cf={layer.capacity_factor}", layer.capacity_factor is not None),
+              (describe_group(router), layer.capacity_factor is not None or router["drop_fraction"] > 0)]
     return " ".join([describe_gate("topk", router)] + [label for label, on in extras if on])
 
 

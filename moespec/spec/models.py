@@ -158,6 +158,9 @@ class MoEGroup(SpecModel):
     @model_validator(mode="after")
     def _router_checks_group(self) -> "MoEGroup":
         self.router.check_group(self)
+        reason = self.router.group_cannot_matter(self)
+        if reason and self.router.group is not None:
+            raise ValueError(f"router.group cannot matter here: {reason}; remove it")
         return self
 
     @field_validator("expert_mlp_ratio")

@@ -9,9 +9,9 @@ it, so that no stage branches on `kind`. The built-in kinds live in `moespec/rou
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, get_args
+from typing import Any, Callable, ClassVar, Literal, Optional, Union, get_args
 
-from .fields import SpecModel
+from .fields import PositiveInt, SpecModel
 
 SELECTORS: dict[str, type] = {}
 """YAML key -> selector model (`spec.selectors.Selector`)."""
@@ -54,6 +54,10 @@ class RouterSpec(SpecModel):
     group's other fields; `MoEGroup` checks them, so its errors name the right field."""
 
     kind: str
+    group: Optional[Union[Literal["image", "batch"], PositiveInt]] = None
+    """The routing group, within which capacity, priority and drops are decided: `image` (the default) routes
+    each image alone, so its prediction does not depend on the rest of its batch; N, groups of N consecutive
+    images (V-MoE's group_size); `batch`, the whole batch."""
     title: ClassVar[str] = ""  # how people call it: "top-k", "expert choice", "Soft MoE"
     takes_top_k: ClassVar[bool] = True  # `top_k` other than 1 is allowed
     takes_capacity_factor: ClassVar[bool] = False  # the group's `capacity_factor` applies
@@ -62,6 +66,10 @@ class RouterSpec(SpecModel):
 
     def check_group(self, group: Any) -> None:
         """Cross-field checks with the whole validated group; raise ValueError with the fix."""
+
+    def group_cannot_matter(self, group: Any) -> str:
+        """Why `group` cannot change this router's decisions in the surgery group `group` ("" if it can)."""
+        return ""
 
 
 @dataclass(frozen=True)

@@ -98,9 +98,9 @@ def test_shares_are_consistent_for_every_router_kind(report):
     soft = by_path["blocks.2.mlp"]  # Soft MoE: combine weights, a distribution over experts per token
     for row in soft.share:
         assert sum(row) == pytest.approx(1.0) and min(row) > 0
-    choice = by_path["blocks.3.mlp"]  # expert choice: each expert takes C = round(T / E) tokens of a batch
+    choice = by_path["blocks.3.mlp"]  # expert choice: each expert takes C = round(T / E) tokens of each image
     capacity = model.get_submodule("blocks.3.mlp").router.capacity
-    assert sum(choice.load) == sum(4 * capacity(n * tokens_per_image) for n in (5, 5, 2))  # 5 + 5 + 2 images
+    assert sum(choice.load) == 12 * 4 * capacity(tokens_per_image)  # group: image, 12 images
     assert 0 < choice.drop_fraction < 1
 
     for layer in result.layers:  # the load is the class counts summed, and its shares sum to 1

@@ -47,8 +47,8 @@ def test_layer_widths_experts_and_router_come_from_the_group_and_the_model():
     assert first.router["gate"] == {"kind": "cosine", "dim": None, "temperature": None}
     assert first.channels_dim == -1
     assert second.expert_hidden == 2 * VIT_DIM  # expert_mlp_ratio 2 of the input width 384
-    assert second.router == {"kind": "expert_choice", "gate": {"kind": "linear", "dim": None, "temperature": None},
-                             "capacity": 1.0}
+    assert second.router == {"kind": "expert_choice", "group": None,
+                             "gate": {"kind": "linear", "dim": None, "temperature": None}, "capacity": 1.0}
 
 
 def test_the_plan_holds_no_pydantic_objects_and_is_frozen():

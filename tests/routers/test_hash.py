@@ -40,7 +40,7 @@ def test_registered_it_validates_with_its_own_options_and_joins_the_schema(hash_
     with pytest.raises(SpecError) as error:
         make_spec(TINY_VIT, [{**HASH_GROUP, "router": {"kind": "hash", "sed": 1}}])
     assert [(p.path, p.message) for p in error.value.problems] == [
-        ("moe.0.router.sed", "unknown key 'sed'; allowed: kind, seed; did you mean 'seed'?")]
+        ("moe.0.router.sed", "unknown key 'sed'; allowed: kind, group, seed; did you mean 'seed'?")]
     with pytest.raises(SpecError, match="top_k \\(2\\) does not apply to hash routers"):
         make_spec(TINY_VIT, [{**HASH_GROUP, "top_k": 2}])
     schema = json_schema()

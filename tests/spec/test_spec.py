@@ -256,8 +256,8 @@ moe:
     assert (problem.file, problem.line, problem.path) == (str(path), line_of(text, "normalise"),
                                                           "moe.0.router.normalise")
     assert problem.column == column_of(text, "normalise")
-    assert problem.message == ("unknown key 'normalise'; allowed: kind, gate, normalize, noise, bpr, drop_fraction; "
-                               "did you mean 'normalize'?")
+    assert problem.message == ("unknown key 'normalise'; allowed: kind, group, gate, normalize, noise, bpr, "
+                               "drop_fraction; did you mean 'normalize'?")
 
 
 def test_unknown_router_kind_names_the_kinds_without_internals(tmp_path):
