@@ -77,9 +77,21 @@ class Groups:
         position = torch.arange(self.total, device=device) - group * self.items
         if key is None:
             return position
-        order = torch.argsort(key, descending=descending, stable=True)
-        order = order[torch.argsort(group[order], stable=True)]  # by group, then by key
+        order = stable_argsort(key, descending=descending)
+        order = order[stable_argsort(group[order])]  # by group, then by key
         return torch.empty_like(position).index_copy_(0, order, position)
+
+
+def stable_argsort(key: torch.Tensor, descending: bool = False) -> torch.Tensor:
+    """`torch.argsort(key, stable=True)`. ONNX has no stable sort, so while exporting an integer key is made
+    unique (key * n + position: the same order), and a float key (gate values) is sorted plainly, its ties
+    having probability 0."""
+    if not torch.compiler.is_exporting():
+        return torch.argsort(key, descending=descending, stable=True)
+    if key.is_floating_point():
+        return torch.argsort(key, descending=descending)
+    position = torch.arange(key.numel(), device=key.device)
+    return torch.argsort((-key if descending else key) * key.numel() + position)
 
 
 class Pairs(NamedTuple):
@@ -110,7 +122,7 @@ def group_pairs(experts: torch.Tensor, weights: torch.Tensor, num_experts: int, 
         flat = torch.where(dispatched.repeat_interleave(top_k), flat, num_experts)
     buckets = num_experts + 1
     if capacity is None:
-        order = torch.argsort(flat, stable=True)
+        order = stable_argsort(flat)
         bucket = flat
     else:  # buckets (expert, group), expert-major, so that the pairs come out grouped by expert
         groups = groups or Groups(1, tokens, tokens)

@@ -44,7 +44,7 @@ def test_torch_export_matches_eager(backbone, router):
 
 
 @pytest.mark.slow  # the ONNX conversion takes seconds per model
-@pytest.mark.parametrize("router", ["topk-capacity", "expert_choice", "soft"])
+@pytest.mark.parametrize("router", ROUTERS)
 def test_onnx_export_matches_eager(router, tmp_path):
     onnxruntime = pytest.importorskip("onnxruntime")
     model = _model(TINY_VIT, ROUTERS[router])
