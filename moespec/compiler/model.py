@@ -46,7 +46,6 @@ def compile_model(model: nn.Module, plan: Plan, *, moe_device: str | torch.devic
     for path, module in swapped.items():
         out.set_submodule(path, module)
     out.moespec_plan = plan
-    out.moespec_no_weight_decay = sorted(_stacked_1d(out))
     out.no_weight_decay = types.MethodType(_no_weight_decay, out)
     return out
 
@@ -92,7 +91,7 @@ def create_model(spec: Spec, *, device: str | torch.device = "cpu", seed: int | 
 def _no_weight_decay(self: nn.Module) -> set[str]:
     """The dense class's `no_weight_decay()` plus the experts' stacked biases and norm parameters."""
     dense = getattr(type(self), "no_weight_decay", None)
-    return set(dense(self) if dense is not None else ()) | set(self.moespec_no_weight_decay)
+    return set(dense(self) if dense is not None else ()) | set(_stacked_1d(self))
 
 
 def _stacked_1d(model: nn.Module) -> list[str]:
@@ -105,23 +104,21 @@ def _stacked_1d(model: nn.Module) -> list[str]:
 def _copy_along(model: nn.Module, paths: list[str]) -> nn.Module:
     """A shallow copy of `model` and of every module on the way to `paths`, so that swapping the modules at
     `paths` in the copy leaves `model` as it was; every other module (and every tensor) is shared."""
-    root = _shallow(model)
+    root, copied = _shallow(model), set()
     for path in paths:
-        parent = root
-        for name in path.split(".")[:-1]:
-            child = parent._modules[name]
-            if not getattr(child, "_moespec_copy", False):
-                child = parent._modules[name] = _shallow(child)
-            parent = child
-    for module in root.modules():
-        module.__dict__.pop("_moespec_copy", None)
+        parent, names = root, path.split(".")[:-1]
+        for depth, name in enumerate(names):
+            prefix = ".".join(names[: depth + 1])
+            if prefix not in copied:
+                parent._modules[name] = _shallow(parent._modules[name])
+                copied.add(prefix)
+            parent = parent._modules[name]
     return root
 
 
 def _shallow(module: nn.Module) -> nn.Module:
     twin = copy.copy(module)
-    twin._modules = dict(module._modules)
-    twin._moespec_copy = True
+    twin._modules = dict(module._modules)  # its own children table; the children themselves are shared
     return twin
 
 

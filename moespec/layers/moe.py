@@ -72,7 +72,8 @@ class MoE(nn.Module):
         if self.experts.needs_groups or (self.shared is not None and self.shared.needs_groups):
             groups = torch.arange(images, device=x.device).repeat_interleave(items.shape[0] // images)
         routing = self.router(items, images)
-        if torch.compiler.is_exporting():
+        exporting = torch.compiler.is_exporting()
+        if exporting:
             y = self._dense_combine(items, routing)
         else:
             rows = routing.item
@@ -80,14 +81,13 @@ class MoE(nn.Module):
             y = items.new_zeros(items.shape[0], out.shape[-1]).index_add_(0, rows, out * routing.weights.unsqueeze(-1))
         if self.shared is not None:
             y = y + self.shared.forward_all(items, groups)
-        if torch.compiler.is_exporting():  # an exported graph is a pure function: no routing state, no aux loss
-            y = y.reshape(*channels_last.shape[:-1], y.shape[-1])
-            return y if channels_last is x else y.movedim(-1, self.channels_dim)
-        self.last_routing, self.last_items, self.last_images = routing, items.shape[0], images
-        self.aux_losses = {kind: fn(routing) for kind, fn in AUX_LOSSES.items()}
-        if self.aux_loss_in_backward and (loss := self.weighted_aux_loss()) is not None and loss.requires_grad:
-            BACKWARD_SCALE_CHECK.on_forward(self, x)
-            y = AuxLossAutoScaler.apply(y, loss, self.backward_scale)
+        if not exporting:  # an exported graph is a pure function: no routing state, no aux loss
+            self.last_routing, self.last_items, self.last_images = routing, items.shape[0], images
+            self.aux_losses = {kind: fn(routing) for kind, fn in AUX_LOSSES.items()}
+            loss = self.weighted_aux_loss() if self.aux_loss_in_backward else None
+            if loss is not None and loss.requires_grad:
+                BACKWARD_SCALE_CHECK.on_forward(self, x)
+                y = AuxLossAutoScaler.apply(y, loss, self.backward_scale)
         y = y.reshape(*channels_last.shape[:-1], y.shape[-1])
         return y if channels_last is x else y.movedim(-1, self.channels_dim)
 
@@ -200,7 +200,6 @@ class BackwardScaleCheck:
     """
 
     def __init__(self):
-        self.layers: weakref.WeakSet[MoE] = weakref.WeakSet()
         self.backwards: weakref.WeakKeyDictionary[MoE, int] = weakref.WeakKeyDictionary()
         self.mismatches = 0
         self.hook = None
@@ -218,7 +217,6 @@ class BackwardScaleCheck:
                                "scaler) in your loop, or train in bfloat16 (timm's train.py: --amp-dtype bfloat16)")
 
     def on_backward(self, layer: MoE) -> None:
-        self.layers.add(layer)
         self.backwards[layer] = self.backwards.get(layer, 0) + 1
 
     def on_step(self, optimizer, args, kwargs) -> None:

@@ -24,10 +24,10 @@ from ..io import (
     safetensors_shapes,
     write_sharded,
 )
-from ..spec import Spec, load_spec
+from ..spec import DENSE_SUFFIXES, Spec, load_spec
 from .dense import check_state_dict, read_state_dict
 
-PICKLED_SUFFIXES = (".pth", ".pt", ".bin", ".pth.tar")
+PICKLED_SUFFIXES = tuple(suffix for suffix in DENSE_SUFFIXES if suffix != ".safetensors")
 SPEC_KEY, SPEC_HASH_KEY, VERSION_KEY = "moespec.spec", "moespec.spec_sha256", "moespec.version"
 
 
@@ -79,8 +79,8 @@ def load(path: str | Path, *, spec: Spec | str | Path | None = None, device: str
     safetensors file, or a pickled state dict or training checkpoint such as timm's `model_best.pth.tar`
     (its "state_dict", or with `ema` its "state_dict_ema"; pickled training state needs `trust_pickle`).
     """
-    pickled = spec is not None and not Path(path).is_dir() and Path(path).name.endswith(PICKLED_SUFFIXES)
-    if spec is None and not Path(path).is_dir() and Path(path).name.endswith(PICKLED_SUFFIXES):
+    pickled = not Path(path).is_dir() and Path(path).name.endswith(PICKLED_SUFFIXES)
+    if spec is None and pickled:
         raise CheckpointError(f"{path}: a pickled checkpoint holds no spec; say which spec's model it holds "
                               f"(spec=..., or --spec on the command line)")
     if spec is None:
