@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .routing import at_least_fp32
+
 GluOrder = Literal["act_first", "act_last"]  # act(a) * b (SwiGLU)  |  a * act(b) (timm GluMlp default)
 InnerNorm = Literal["none", "layernorm", "layernorm_before_act", "grn"]
 Dispatch = Literal["auto", "loop", "padded", "grouped_mm"]
@@ -105,6 +107,11 @@ class Experts(nn.Module):
         return self.inner_norm == "grn"
 
     @property
+    def local_experts(self) -> int:
+        """Experts stacked in this bank's weights: all E, or this rank's E/W under expert parallelism."""
+        return self.fc1.weight.shape[0]
+
+    @property
     def in_features(self) -> int:
         return self.fc1.in_features
 
@@ -131,7 +138,7 @@ class Experts(nn.Module):
         strategy = self.strategy(x)
         if strategy == "loop":
             return self._loop(x, counts.tolist(), groups)
-        expert = torch.repeat_interleave(torch.arange(self.num_experts, device=x.device), counts,
+        expert = torch.repeat_interleave(torch.arange(self.local_experts, device=x.device), counts,
                                          output_size=x.shape[0])  # expert of each row
         if strategy == "grouped_mm":
             return self._grouped(x, counts, expert)
@@ -176,11 +183,15 @@ class Experts(nn.Module):
         back. Padding rows get zero gradient: their outputs are never gathered."""
         slot = torch.arange(x.shape[0], device=x.device) - (torch.cumsum(counts, 0) - counts)[expert]
         width = int(counts.max()) if x.shape[0] else 0
-        padded = x.new_zeros(self.num_experts, width, x.shape[1]).index_put((expert, slot), x)
-        return self.batched(padded)[expert, slot]
+        padded = x.new_zeros(self.local_experts, width, x.shape[1]).index_put((expert, slot), x)
+        return self._stacked(padded)[expert, slot]
 
     def batched(self, x: torch.Tensor) -> torch.Tensor:
         """Expert e on every row of x[e]: x [E, M, C] -> [E, M, C'], two batched matmuls (not for GRN experts)."""
+        return self._stacked(x)
+
+    def _stacked(self, x: torch.Tensor) -> torch.Tensor:
+        """The experts stacked here (`local_experts`) on x [local_experts, M, C]."""
         params = [p.unsqueeze(1) if p is not None and p.dim() == 2 else p for p in self._param_list()]
         return self._expert(x, params, None)
 
@@ -268,7 +279,7 @@ def _global_response_norm(h: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     if groups is None:
         groups = h.new_zeros(h.shape[0], dtype=torch.long)
     count = int(groups.max()) + 1 if groups.numel() else 0
-    sq = h.new_zeros(count, h.shape[1]).index_add_(0, groups, h.float().pow(2).to(h.dtype))
+    sq = h.new_zeros(count, h.shape[1]).index_add_(0, groups, at_least_fp32(h).pow(2).to(h.dtype))
     gx = sq.sqrt()
     nx = gx / (gx.mean(dim=-1, keepdim=True) + eps)
     return h + torch.addcmul(bias, weight, h * nx[groups])

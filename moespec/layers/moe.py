@@ -72,6 +72,7 @@ class MoE(nn.Module):
         if self.experts.needs_groups or (self.shared is not None and self.shared.needs_groups):
             groups = torch.arange(images, device=x.device).repeat_interleave(items.shape[0] // images)
         routing = self.router(items, images)
+        routing.group = getattr(self.experts, "group", None)  # expert parallel: global aux losses and statistics
         exporting = torch.compiler.is_exporting()
         if exporting:
             y = self._dense_combine(items, routing)
@@ -118,14 +119,22 @@ class MoE(nn.Module):
         return list(self.router.parameters())
 
     def routing_stats(self) -> dict[str, object] | None:
-        """Routing of the last forward: items per expert, share of items no expert took, mean top-1 gate."""
+        """Routing of the last forward: items per expert, share of items no expert took, mean top-1 gate. Under
+        expert parallelism they count every rank's batch (a collective: call it on every rank)."""
         routing = self.last_routing
         if routing is None:
             return None
+        if routing.group is not None:
+            gates = routing.top1_value.detach().double()
+            counts, kept, items, gate, units = routing.total(
+                routing.counts.double(), routing.kept.sum().double(), gates.new_tensor(self.last_items),
+                gates.sum(), gates.new_tensor(gates.numel()))
+            return {"tokens_per_expert": counts.long().tolist(), "drop_fraction": 1.0 - (kept / items).item(),
+                    "mean_top1_gate": (gate / units).item()}
         return {
             "tokens_per_expert": routing.counts.tolist(),
-            "drop_fraction": 1.0 - routing.kept.float().mean().item(),
-            "mean_top1_gate": routing.top1_value.float().mean().item(),
+            "drop_fraction": 1.0 - routing.kept.double().mean().item(),
+            "mean_top1_gate": routing.top1_value.double().mean().item(),
         }
 
     def activated_macs(self, items: int, images: int) -> int:

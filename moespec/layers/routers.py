@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .routing import Groups, Routing, group_pairs, load_counts, smooth_load
+from .routing import Groups, Routing, at_least_fp32, group_pairs, load_counts, smooth_load
 
 
 class LinearGate(nn.Module):
@@ -116,7 +116,7 @@ class TopKRouter(nn.Module):
         return self.num_experts * self.capacity(items * images) / images
 
     def forward(self, x: torch.Tensor, images: int = 1) -> Routing:
-        logits = self.gate(x).float()
+        logits = at_least_fp32(self.gate(x))
         noisy = logits
         if self.training and self.noise_std > 0:
             noisy = logits + torch.randn_like(logits) * self.noise_std
@@ -158,7 +158,7 @@ class ImageRouter(nn.Module):
     def forward(self, x: torch.Tensor, images: int = 1) -> Routing:
         per_image = x.reshape(images, -1, x.shape[-1])
         vectors = per_image[:, 0] if self.pool == "cls" else per_image.mean(dim=1)
-        logits = self.gate(vectors).float()
+        logits = at_least_fp32(self.gate(vectors))
         probs = logits.softmax(dim=-1)
         weights, experts = probs.topk(self.top_k, dim=-1)
         if self.normalize:
@@ -193,7 +193,7 @@ class ExpertChoiceRouter(nn.Module):
         return self.num_experts * self.capacity(items)
 
     def forward(self, x: torch.Tensor, images: int = 1) -> Routing:
-        logits = self.gate(x).float()
+        logits = at_least_fp32(self.gate(x))
         probs = logits.softmax(dim=-1)
         groups = Groups.of(x.shape[0], images, self.group, self.training)
         experts, size, count = self.num_experts, groups.items, groups.count

@@ -10,6 +10,8 @@ from typing import Callable, NamedTuple
 import torch
 import torch.nn.functional as F
 
+from .collectives import all_reduce_sum
+
 
 @dataclass
 class Routing:
@@ -25,6 +27,8 @@ class Routing:
         load: [E] items assigned to each expert before any capacity drop (smooth under router noise).
         kept: [T] whether each item was dispatched to at least one expert.
         expert: [P] expert of each pair.
+        group: the process group of an expert-parallel layer (None in one process): aux losses and statistics
+            sum over it (`total`), so that they equal one process's on the whole batch.
     """
 
     probs: torch.Tensor
@@ -37,10 +41,15 @@ class Routing:
     load: torch.Tensor
     kept: torch.Tensor
     expert: torch.Tensor | None = None
+    group: object = None
 
     @property
     def num_experts(self) -> int:
         return self.probs.shape[-1]
+
+    def total(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
+        """Each tensor summed over the ranks of `group` (as it is in one process); differentiable."""
+        return all_reduce_sum(tensors, self.group)
 
 
 @dataclass(frozen=True)
@@ -80,6 +89,11 @@ class Groups:
         order = stable_argsort(key, descending=descending)
         order = order[stable_argsort(group[order])]  # by group, then by key
         return torch.empty_like(position).index_copy_(0, order, position)
+
+
+def at_least_fp32(t: torch.Tensor) -> torch.Tensor:
+    """`t` in float32, or float64 if it is: router logits and GRN's squares are never computed in 16 bits."""
+    return t if t.dtype == torch.float64 else t.float()
 
 
 def stable_argsort(key: torch.Tensor, descending: bool = False) -> torch.Tensor:
@@ -193,21 +207,31 @@ def register_aux_loss(kind: str) -> Callable[[Callable[[Routing], torch.Tensor]]
 def importance_load_loss(routing: Routing) -> torch.Tensor:
     """Shazeer et al. 2017: (CV(importance)^2 + CV(load)^2) / 2, with Importance_i = sum_x p_i(x) and
     Load_i = sum_x P(i in top-k of x) (a count without router noise: only importance carries gradient)."""
-    return (_cv_squared(routing.probs.sum(dim=0)) + _cv_squared(routing.load)) / 2
+    importance, load = routing.total(routing.probs.sum(dim=0), routing.load)
+    return (_cv_squared(importance) + _cv_squared(load)) / 2
 
 
 @register_aux_loss("switch")
 def switch_loss(routing: Routing) -> torch.Tensor:
     """Fedus et al. 2021: E * sum_i f_i * P_i, f_i = share of units whose top-1 is i, P_i = mean prob of i."""
-    experts = routing.num_experts
-    top1 = F.one_hot(routing.top1, experts).float()
-    return experts * (top1.mean(dim=0) * routing.probs.mean(dim=0)).sum()
+    experts, probs = routing.num_experts, routing.probs
+    if routing.group is None:
+        top1 = F.one_hot(routing.top1, experts).float()
+        return experts * (top1.mean(dim=0) * probs.mean(dim=0)).sum()
+    top1 = torch.zeros(experts, device=probs.device).index_add_(0, routing.top1, torch.ones_like(routing.top1,
+                                                                                               dtype=torch.float))
+    top1, importance, units = routing.total(top1, probs.sum(dim=0), probs.new_tensor(probs.shape[0]))
+    return experts * (top1 / units * importance / units).sum()
 
 
 @register_aux_loss("z_loss")
 def z_loss(routing: Routing) -> torch.Tensor:
     """ST-MoE router z-loss (Zoph et al. 2022): mean over units of logsumexp(logits)^2."""
-    return torch.logsumexp(routing.logits, dim=-1).square().mean()
+    if routing.group is None:
+        return torch.logsumexp(routing.logits, dim=-1).square().mean()
+    squares = torch.logsumexp(routing.logits, dim=-1).square()
+    total, units = routing.total(squares.sum(), squares.new_tensor(squares.numel()))
+    return total / units
 
 
 def _cv_squared(x: torch.Tensor) -> torch.Tensor:

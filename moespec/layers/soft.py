@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .collectives import all_reduce_sum
 from .experts import Experts
 
 
@@ -96,10 +97,14 @@ class SoftMoE(nn.Module):
         """Slots per expert (every token reaches every slot), no drops, and the mean largest dispatch weight."""
         if self.last_dispatch is None:
             return None
+        top1 = self.last_dispatch.max(dim=1).values.detach().double()
+        group = getattr(self.experts, "group", None)  # expert parallel: every rank's batch
+        images, gate, units = all_reduce_sum([top1.new_tensor(self.last_images), top1.sum(),
+                                              top1.new_tensor(top1.numel())], group)
         return {
-            "tokens_per_expert": [self.last_images * self.slots_per_expert] * self.num_experts,
+            "tokens_per_expert": [int(images) * self.slots_per_expert] * self.num_experts,
             "drop_fraction": 0.0,
-            "mean_top1_gate": self.last_dispatch.max(dim=1).values.float().mean().item(),
+            "mean_top1_gate": (gate / units).item(),
         }
 
     def activated_macs(self, items: int, images: int) -> int:

@@ -1,0 +1,98 @@
+"""Spreading a compiled model's experts over the ranks of a process group, in place.
+
+After `shard_experts(model)`, rank r of W holds experts [r * E/W, (r+1) * E/W) of every MoE layer (an
+`ExpertParallel` bank in place of each `Experts` bank; the state-dict names stay). Everything else stays
+replicated: wrap the model in DistributedDataParallel as usual, which leaves the expert parameters out (they
+differ per rank; averaging them would mix different experts). Their gradients are divided by W as they are
+computed, so that they equal one process's on the whole batch when the loss is a mean over each rank's batch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from ..compiler import moe_layers
+from ..errors import MoespecError
+from ..layers.expert_parallel import ExpertParallel, sharded_banks
+
+
+def shard_experts(model: nn.Module, group: dist.ProcessGroup | None = None) -> nn.Module:
+    """Keep only this rank's experts of every MoE layer of `model` (in place; returns `model`).
+
+    A collective: every rank of `group` (default: all ranks) calls it with the same spec, checked by its hash.
+    Call it before building the optimizer, whose parameters it replaces. `group` must span every rank: experts
+    replicated over several expert-parallel groups (expert data parallelism) are not supported yet.
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        raise MoespecError("shard_experts needs an initialized process group: call "
+                           "torch.distributed.init_process_group() first (run the script under torchrun)")
+    if sharded_banks(model):
+        raise MoespecError("shard_experts: this model's experts are already sharded (it was called twice)")
+    spec = getattr(model, "moespec_spec", None)
+    if spec is None:
+        raise MoespecError("shard_experts: this model was not built by moespec (no spec attached); build it with "
+                           "moespec.create_model, moespec.load or moespec.distributed.load")
+    group = group or dist.group.WORLD
+    world = dist.get_world_size(group)
+    if world != dist.get_world_size():
+        raise MoespecError(f"shard_experts: the group has {world} of the {dist.get_world_size()} ranks; expert "
+                           f"parallelism over a subgroup (expert data parallelism) is not supported yet")
+    _check_same_spec(spec, group)
+    check_divisible(model, world, "shard_experts")
+    # the experts' traffic gets its own communicator, apart from DDP's gradient all-reduces on the world group
+    traffic = dist.new_group(dist.get_process_group_ranks(group))
+    ignored = []
+    for path, layer in moe_layers(model).items():
+        layer.experts = ExpertParallel.shard(layer.experts, traffic)
+        for name, param in layer.experts.named_parameters():
+            param.register_hook(lambda grad, world=world: grad / world)
+            ignored.append(f"{path}.experts.{name}")
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignored)
+    return model
+
+
+def check_divisible(model_or_counts, world: int, what: str) -> None:
+    """Every MoE layer's experts E must split evenly over `world` ranks. `model_or_counts`: a compiled model,
+    or {layer path: E}."""
+    counts = model_or_counts if isinstance(model_or_counts, dict) else \
+        {path: layer.experts.num_experts for path, layer in moe_layers(model_or_counts).items()}
+    bad = {path: experts for path, experts in counts.items() if experts % world}
+    if bad:
+        layers = ", ".join(f"{path} ({experts} experts)" for path, experts in list(bad.items())[:3])
+        allowed = _common_divisors(list(counts.values()))
+        raise MoespecError(f"{what}: {world} ranks do not divide the experts of {layers}; expert parallelism "
+                           f"runs on a number of ranks that divides every layer's experts: "
+                           f"{', '.join(map(str, allowed))}")
+
+
+def _common_divisors(counts: list[int]) -> list[int]:
+    return [w for w in range(1, min(counts) + 1) if all(c % w == 0 for c in counts)]
+
+
+def _check_same_spec(spec, group: dist.ProcessGroup) -> None:
+    """Every rank must hold the model of the same spec, or the collectives would mismatch and hang."""
+    digest = hashlib.sha256(spec.to_yaml().encode()).hexdigest()
+    digests: list[str] = [""] * dist.get_world_size(group)
+    dist.all_gather_object(digests, digest, group=group)
+    if len(set(digests)) > 1:
+        ranks = ", ".join(f"rank {rank}: {d[:12]}" for rank, d in enumerate(digests))
+        raise MoespecError(f"shard_experts: the ranks hold models of different specs (sha256 of the spec {ranks}); "
+                           f"every rank must build the same spec")
+
+
+def expert_group(model: nn.Module) -> dist.ProcessGroup | None:
+    """The process group a model's experts are sharded over (None if they are not)."""
+    banks = sharded_banks(model)
+    return next(iter(banks.values())).group if banks else None
+
+
+def expert_parameters(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+    """(this rank's expert parameters, the replicated ones), each parameter once."""
+    experts = {id(p) for bank in sharded_banks(model).values() for p in bank.parameters()}
+    params = list(model.parameters())
+    return [p for p in params if id(p) in experts], [p for p in params if id(p) not in experts]
+

@@ -1,0 +1,61 @@
+"""Expert parallelism gives the numbers of one process: the test matrix of `ep_cases.py`, each case on 2 gloo
+ranks (4 ranks in the slow run), in float64, against one process with the same weights on the whole batch."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from .ep_cases import CASES
+from .launch import ROOT, torchrun
+
+WORKER = ROOT / "tests" / "distributed" / "ep_worker.py"
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    """{world: [per-rank results]}: one torchrun per world size for every case, run on first use (a failure
+    is kept, not retried by every test)."""
+    found: dict[int, list[dict] | AssertionError] = {}
+
+    def get(world: int) -> list[dict]:
+        if world not in found:
+            out = tmp_path_factory.mktemp(f"ep{world}")
+            try:
+                torchrun(world, WORKER, out, *CASES)
+                found[world] = [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(world)]
+            except AssertionError as failure:
+                found[world] = failure
+        if isinstance(found[world], AssertionError):
+            raise found[world]
+        return found[world]
+
+    return get
+
+
+def _check(per_rank: list[dict], case: str) -> None:
+    for rank, result in enumerate(per_rank):
+        r = result[case]
+        assert r["output_scale"] > 0.1 and r["grad_scale"] > 1e-3, "a trivial model proves nothing"
+        assert r["output"] <= 1e-10, f"rank {rank}: outputs differ from one process's by {r['output']}"
+        assert r["aux"] <= 1e-10 * max(1.0, r["aux_value"]), f"rank {rank}: aux loss differs by {r['aux']}"
+        assert r["replicated_grad"] <= 1e-10, f"rank {rank}: replicated gradients differ by {r['replicated_grad']}"
+        assert r["expert_grad"] <= 1e-10, f"rank {rank}: expert gradients differ by {r['expert_grad']}"
+        assert r["stats_equal"], f"rank {rank}: routing_stats {r['stats']} != one process's {r['ref_stats']}"
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_two_ranks_compute_what_one_process_computes(results, case):
+    _check(results(2), case)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(CASES))
+def test_four_ranks_compute_what_one_process_computes(results, case):
+    _check(results(4), case)
+
+
+def test_a_rank_receives_no_rows_when_every_item_goes_to_one_expert(results):
+    counts = results(2)[0]["one-expert"]["counts"]
+    assert all(sum(1 for c in layer if c) == 1 for layer in counts), counts  # one expert takes every item
