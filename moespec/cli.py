@@ -22,7 +22,7 @@ from .apps.inspection import find_images, inspect_routing, load_model
 from .apps.plots import check_figure_path, require_matplotlib
 from .apps.sweep import parse_setting, sweep
 from .apps.sweep import plot as draw
-from .counting import FORMATS, plan_table, render
+from .counting import FORMATS, per_rank, plan_table, rank_summary, render
 from .errors import MoespecError, SpecError
 from .io import DTYPE_NAMES, check_output, checkpoint_files, index_file, parse_size
 from .spec import json_schema_text, spec_files
@@ -99,16 +99,24 @@ def validate(specs: List[Path] = typer.Argument(..., help="Spec files or folders
     _run(body)
 
 
+RANKS_HELP = ("Per-rank figures under expert parallelism over N ranks: each MoE layer's experts split evenly, the "
+              "rest replicated; params and fp32 AdamW training memory per rank (activations not included).")
+
+
 @app.command("plan")
-def plan_command(spec: Path = typer.Argument(..., help="Spec file.")) -> None:
+def plan_command(spec: Path = typer.Argument(..., help="Spec file."),
+                 ranks: Optional[int] = typer.Option(None, "--ranks", min=1, metavar="N", help=RANKS_HELP)) -> None:
     """Show which FFNs become MoE layers, with their widths, experts, k and router."""
 
     def body() -> None:
-        p = plan(load_spec(spec))
+        loaded = load_spec(spec)
+        p = plan(loaded)
         out.print(p.summary(), markup=False, soft_wrap=True)
         out.print(plan_table(p))
         if not p.layers:
             out.print("no MoE layers: this spec is the dense backbone")
+        if ranks is not None:
+            out.print(rank_summary(per_rank(stats(loaded), ranks)), markup=False, soft_wrap=True)
 
     _run(body)
 
@@ -204,6 +212,7 @@ def stats_command(
     input_size: Optional[Tuple[int, int, int]] = typer.Option(None, "--input-size", metavar="C H W",
                                                               help="Override the specs' input size; fixed-size models "
                                                               "(ViT, Mixer) are built at it (timm's img_size)."),
+    ranks: Optional[int] = typer.Option(None, "--ranks", min=1, metavar="N", help=RANKS_HELP),
 ) -> None:
     """Total and activated parameters and GMACs of each spec, with its dense backbone for comparison.
 
@@ -211,19 +220,24 @@ def stats_command(
     """
 
     def body() -> int:
-        records, failed = [], 0
+        if ranks is not None and per_layer:
+            raise MoespecError("--ranks adds per-spec columns; it does not combine with --per-layer")
+        records, splits, failed = [], [], 0
         files = spec_files(specs)
         with progress("counting") as advance:
             for done, file in enumerate(files):
                 advance(file.name, done, len(files))
                 try:
-                    records.append(stats(load_spec(file), input_size=input_size))
+                    record = stats(load_spec(file), input_size=input_size)
+                    splits.append(per_rank(record, ranks) if ranks is not None else None)
+                    records.append(record)
                 except MoespecError as error:
                     failed += 1
                     _report_failure(file, error)
             advance("", len(files), len(files))
         if records:
-            sys.stdout.write(render(records, format.value, per_layer=per_layer))
+            sys.stdout.write(render(records, format.value, per_layer=per_layer,
+                                    ranks=splits if ranks is not None else None))
         return 2 if failed else 0
 
     _run(body)

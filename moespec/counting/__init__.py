@@ -2,12 +2,14 @@
 
     flops.py   fvcore with moespec's op handles; MoE layers costed analytically
     stats.py   SpecStats / LayerStats records: total and activated params and GMACs, dense for comparison
+    ranks.py   RankStats: one rank's params and fp32 training bytes under expert parallelism over W ranks
     report.py  records (and plans) as a table, Markdown, CSV or JSON
 """
 
 from .flops import FLOP_HANDLES, MacCount, count_macs, register_flop_handle
-from .report import FORMATS, plan_table, render
+from .ranks import RankStats, per_rank
+from .report import FORMATS, plan_table, rank_summary, render
 from .stats import LayerStats, SpecStats, count_params, stats
 
-__all__ = ["FLOP_HANDLES", "FORMATS", "LayerStats", "MacCount", "SpecStats", "count_macs", "count_params", "plan_table",
-           "register_flop_handle", "render", "stats"]
+__all__ = ["FLOP_HANDLES", "FORMATS", "LayerStats", "MacCount", "RankStats", "SpecStats", "count_macs", "count_params",
+           "per_rank", "plan_table", "rank_summary", "register_flop_handle", "render", "stats"]

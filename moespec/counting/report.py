@@ -1,11 +1,12 @@
-"""Rendering stats records as a table, Markdown, CSV or JSON, and a plan as a table. Data comes from `stats.py`
-and `planning`; nothing here counts."""
+"""Rendering stats records (with their per-rank figures, if asked) as a table, Markdown, CSV or JSON, and a plan
+as a table. Data comes from `stats.py`, `ranks.py` and `planning`; nothing here counts."""
 
 from __future__ import annotations
 
 import csv
 import io
 import json
+from dataclasses import asdict
 from typing import Any, Sequence
 
 import yaml
@@ -13,6 +14,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ..planning import Plan
+from .ranks import TRAIN_BYTES_PER_PARAM, RankStats
 from .stats import SpecStats
 
 FORMATS = ("table", "markdown", "csv", "json")
@@ -26,6 +28,11 @@ FOOTER = ("experts (all layers): routed experts summed over the MoE layers. para
           "+ routers + shared experts + top_k routed experts). GMACs: 10^9 multiply-adds per image at batch 1 "
           "(fvcore's convention: one MAC = one flop), MoE layers at k experts per item with perfect balance and "
           "no drops. M = 10^6; exact counts in --format json.")
+RANK_COLUMNS = ("ranks", "params/rank (M)", "experts/rank (M)", "replicated (M)", "fp32 train GB/rank")
+RANK_FOOTER = ("ranks: expert parallelism, each MoE layer's routed experts split evenly over the ranks, everything "
+               "else (backbone, routers, shared experts) replicated on every rank. params/rank = experts/rank + "
+               f"replicated. fp32 train GB/rank: {TRAIN_BYTES_PER_PARAM} bytes per parameter on a rank (fp32 weight, "
+               "gradient and AdamW's two moments), GB = 10^9 bytes; activations not included.")
 
 
 def spec_rows(records: Sequence[SpecStats]) -> list[tuple[str, ...]]:
@@ -49,15 +56,35 @@ def layer_rows(records: Sequence[SpecStats]) -> list[tuple[str, ...]]:
     return rows
 
 
+def rank_cells(r: RankStats) -> tuple[str, ...]:
+    """The per-rank columns of one spec's row, in the order of RANK_COLUMNS."""
+    return (str(r.ranks), _m(r.params_per_rank), _m(r.expert_params_per_rank), _m(r.replicated_params),
+            f"{r.train_bytes_per_rank / 1e9:.2f}")
+
+
+def rank_summary(r: RankStats) -> str:
+    """`moespec plan --ranks`'s lines: one rank's parameters and fp32 training memory."""
+    return (f"per rank, expert parallelism over {r.ranks} ranks: {r.params_per_rank:,} params = "
+            f"{r.expert_params_per_rank:,} in experts (1/{r.ranks} of each MoE layer's) + "
+            f"{r.replicated_params:,} replicated (backbone, routers, shared experts)\n"
+            f"fp32 training memory per rank: {r.train_bytes_per_rank / 1e9:.2f} GB ({TRAIN_BYTES_PER_PARAM} bytes "
+            f"per parameter: weight, gradient, AdamW's two moments; activations not included)")
+
+
 def render(records: Sequence[SpecStats], format: str, per_layer: bool = False,
-           settings: Sequence[dict[str, Any]] | None = None) -> str:
+           settings: Sequence[dict[str, Any]] | None = None, ranks: Sequence[RankStats] | None = None) -> str:
     """The records in `format` (one of FORMATS) as text. `settings` (one mapping per record, the same keys
     in each, e.g. the swept values of `moespec sweep`) adds a column per key after the name, and a
-    "settings" entry to each JSON record."""
+    "settings" entry to each JSON record. `ranks` (one `RankStats` per record; not with `per_layer`) adds the
+    per-rank columns at the end, and a "per_rank" entry to each JSON record."""
+    if ranks is not None and per_layer:
+        raise ValueError("per-rank figures are per spec; they do not combine with per_layer")
     if format == "json":
         dicts = [s.to_dict() for s in records]
         if settings is not None:
             dicts = [{"name": d["name"], "settings": values, **d} for d, values in zip(dicts, settings, strict=True)]
+        if ranks is not None:
+            dicts = [{**d, "per_rank": asdict(r)} for d, r in zip(dicts, ranks, strict=True)]
         return json.dumps(dicts, indent=2) + "\n"
     columns, rows = (LAYER_COLUMNS, layer_rows(records)) if per_layer else (SPEC_COLUMNS, spec_rows(records))
     keys: list[str] = list(settings[0]) if settings else []
@@ -66,6 +93,10 @@ def render(records: Sequence[SpecStats], format: str, per_layer: bool = False,
         rows = [(row[0], *(show(values[k]) for k in keys), *row[1:])
                 for record_rows, values in zip(per_record, settings, strict=True) for row in record_rows]
         columns = (columns[0], *keys, *columns[1:])
+    footer = FOOTER
+    if ranks is not None:
+        rows = [(*row, *rank_cells(r)) for row, r in zip(rows, ranks, strict=True)]
+        columns, footer = (*columns, *RANK_COLUMNS), f"{FOOTER} {RANK_FOOTER}"
     if format == "csv":
         buffer = io.StringIO()
         writer = csv.writer(buffer, lineterminator="\n")
@@ -75,8 +106,8 @@ def render(records: Sequence[SpecStats], format: str, per_layer: bool = False,
     if format == "markdown":
         lines = ["| " + " | ".join(columns) + " |", "|" + "|".join("---" for _ in columns) + "|"]
         lines += ["| " + " | ".join(row) + " |" for row in rows]
-        return "\n".join(lines) + f"\n\n{FOOTER}\n"
-    table = Table(caption=FOOTER, caption_justify="left")
+        return "\n".join(lines) + f"\n\n{footer}\n"
+    table = Table(caption=footer, caption_justify="left")
     for i, column in enumerate(columns):
         text = i < 2 + len(keys)  # the name, the settings and the backbone
         table.add_column(column, justify="left" if text else "right", no_wrap=text)

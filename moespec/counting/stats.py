@@ -38,6 +38,7 @@ class LayerStats:
     top_k: int
     shared_experts: int
     params: int  # router + shared + all routed experts
+    routed_params: int  # all routed experts (the `experts` bank): what expert parallelism splits over ranks
     activated_params: int  # router + shared + top_k routed experts
     gmacs: float  # activated, per image
     activated: str = "per token"
@@ -124,7 +125,7 @@ def _layer_stats(path: str, moe: nn.Module, layer: LayerPlan, macs: MacCount) ->
     executed = moe.executed_macs(items, images)
     return LayerStats(
         path=path, experts=moe.num_experts, top_k=moe.top_k, shared_experts=layer.shared_experts,
-        params=routed + other, activated_params=other + round(experts_used * per_expert),
+        params=routed + other, routed_params=routed, activated_params=other + round(experts_used * per_expert),
         gmacs=macs.moe_layers[path] / 1e9, activated=activated,
         items=items, executed_gmacs=executed / 1e9 if executed is not None else None,
     )

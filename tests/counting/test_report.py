@@ -9,15 +9,15 @@ import json
 from rich.console import Console
 
 import moespec
-from moespec.counting import LayerStats, SpecStats, plan_table, render
+from moespec.counting import LayerStats, SpecStats, per_rank, plan_table, render
 
 from ..conftest import TINY_VIT, make_spec
 
 # A made-up spec: 30.5M params in all, two MoE layers of 8 experts of 1.25M params each plus a 0.0625M router.
 LAYER = LayerStats(path="blocks.1.mlp", experts=8, top_k=2, shared_experts=0, params=10_062_500,
-                   activated_params=2_562_500, gmacs=0.5, items=197)
+                   routed_params=10_000_000, activated_params=2_562_500, gmacs=0.5, items=197)
 CAPPED = LayerStats(path="blocks.3.mlp", experts=8, top_k=2, shared_experts=1, params=11_312_500,
-                    activated_params=3_812_500, gmacs=0.75, items=197, executed_gmacs=0.9375)
+                    routed_params=10_000_000, activated_params=3_812_500, gmacs=0.75, items=197, executed_gmacs=0.9375)
 RECORD = SpecStats(name="made-up", spec="", backbone="vit_small_patch16_224", input_size=(3, 224, 224),
                    total_params=30_500_000, activated_params=15_437_500, dense_params=22_050_000, gmacs=4.61234,
                    dense_gmacs=4.6, moe_layers=2, experts_total=16, layers=[LAYER, CAPPED])
@@ -67,6 +67,20 @@ def test_sweep_settings_become_columns_after_the_name():
     assert rows[1][:4] == ["made-up", "8", "{every: 2}", "vit_small_patch16_224"]
     (record,) = json.loads(render([RECORD], "json", settings=[{"moe.0.experts": 8}]))
     assert list(record)[:2] == ["name", "settings"] and record["settings"] == {"moe.0.experts": 8}
+
+
+def test_per_rank_figures_become_the_last_columns_and_a_json_entry():
+    split = per_rank(RECORD, 4)  # 20M routed -> 5M per rank; 30.5M - 20M = 10.5M replicated; 16 B x 15.5M
+    rows = list(csv.reader(io.StringIO(render([RECORD], "csv", ranks=[split], settings=[{"moe.0.experts": 8}]))))
+    assert rows[0][:2] == ["name", "moe.0.experts"]
+    assert rows[0][-5:] == ["ranks", "params/rank (M)", "experts/rank (M)", "replicated (M)", "fp32 train GB/rank"]
+    assert rows[1][-5:] == ["4", "15.50", "5.00", "10.50", "0.25"]
+    (record,) = json.loads(render([RECORD], "json", ranks=[split]))
+    assert record["per_rank"] == {"ranks": 4, "expert_params_per_rank": 5_000_000, "replicated_params": 10_500_000,
+                                  "params_per_rank": 15_500_000, "train_bytes_per_rank": 248_000_000}
+    assert render([RECORD], "markdown", ranks=[split]).splitlines()[-1].endswith(
+        "GB = 10^9 bytes; activations not included.")
+    assert "fp32 train GB/rank" in render([RECORD], "table", ranks=[split])
 
 
 def test_plan_table_has_the_plan_columns_and_rows():
