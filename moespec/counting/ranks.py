@@ -12,11 +12,11 @@ A pure function of a `SpecStats` record and W; nothing is built here.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from ..errors import Problem, SpecError
-from .stats import LayerStats, SpecStats
+from ..planning.ranks import uneven_experts
+from .stats import SpecStats
 
 TRAIN_BYTES_PER_PARAM = 16
 """fp32 training with AdamW: weight + gradient + exp_avg + exp_avg_sq, 4 bytes each."""
@@ -39,31 +39,12 @@ def per_rank(stats: SpecStats, ranks: int) -> RankStats:
     divisors of the gcd of the layers' experts). A dense spec is all replicated, on any number of ranks."""
     if ranks < 1:
         raise SpecError(Problem(f"ranks must be at least 1, got {ranks}", file=stats.spec or None))
-    uneven = [layer for layer in stats.layers if layer.experts % ranks]
+    uneven = uneven_experts({layer.path: layer.experts for layer in stats.layers}, ranks)
     if uneven:
-        raise SpecError(Problem(_uneven_message(stats, uneven, ranks), file=stats.spec or None))
+        raise SpecError(Problem(uneven, file=stats.spec or None))
     routed = sum(layer.routed_params for layer in stats.layers)
     expert_params = sum(layer.routed_params // ranks for layer in stats.layers)  # exact: experts % ranks == 0
     replicated = stats.total_params - routed
     params = expert_params + replicated
     return RankStats(ranks=ranks, expert_params_per_rank=expert_params, replicated_params=replicated,
                      params_per_rank=params, train_bytes_per_rank=TRAIN_BYTES_PER_PARAM * params)
-
-
-def _allowed_ranks(stats: SpecStats) -> list[int]:
-    """The rank counts that split every MoE layer's experts evenly: the divisors of the gcd of their experts."""
-    common = math.gcd(*(layer.experts for layer in stats.layers))
-    return [d for d in range(1, common + 1) if common % d == 0]
-
-
-def _uneven_message(stats: SpecStats, uneven: list[LayerStats], ranks: int) -> str:
-    """One line: the layers whose experts do not split over `ranks`, grouped by their number of experts."""
-    groups = []
-    for experts in sorted({layer.experts for layer in uneven}):
-        paths = [layer.path for layer in uneven if layer.experts == experts]
-        shown = paths if len(paths) <= 3 else [*paths[:3], f"{len(paths) - 3} more"]
-        names = f"{', '.join(shown[:-1])} and {shown[-1]}" if len(shown) > 1 else shown[0]
-        groups.append(f"{names} {'has' if len(paths) == 1 else 'have'} {experts} experts")
-    allowed = ", ".join(map(str, _allowed_ranks(stats)))
-    return (f"{ranks} ranks do not split the experts evenly: {'; '.join(groups)}; the number of ranks must divide "
-            f"every MoE layer's experts: {allowed}")

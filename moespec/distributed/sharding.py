@@ -18,6 +18,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ..compiler import moe_layers
 from ..errors import MoespecError
 from ..layers.expert_parallel import ExpertParallel, sharded_banks
+from ..planning.ranks import uneven_experts
 
 
 def shard_experts(model: nn.Module, group: dist.ProcessGroup | None = None) -> nn.Module:
@@ -42,7 +43,8 @@ def shard_experts(model: nn.Module, group: dist.ProcessGroup | None = None) -> n
         raise MoespecError(f"shard_experts: the group has {world} of the {dist.get_world_size()} ranks; expert "
                            f"parallelism over a subgroup (expert data parallelism) is not supported yet")
     _check_same_spec(spec, group)
-    check_divisible(model, world, "shard_experts")
+    check_divisible({path: layer.experts.num_experts for path, layer in moe_layers(model).items()}, world,
+                    "shard_experts")
     # the experts' traffic gets its own communicator, apart from DDP's gradient all-reduces on the world group
     traffic = dist.new_group(dist.get_process_group_ranks(group))
     ignored = []
@@ -55,22 +57,11 @@ def shard_experts(model: nn.Module, group: dist.ProcessGroup | None = None) -> n
     return model
 
 
-def check_divisible(model_or_counts, world: int, what: str) -> None:
-    """Every MoE layer's experts E must split evenly over `world` ranks. `model_or_counts`: a compiled model,
-    or {layer path: E}."""
-    counts = model_or_counts if isinstance(model_or_counts, dict) else \
-        {path: layer.experts.num_experts for path, layer in moe_layers(model_or_counts).items()}
-    bad = {path: experts for path, experts in counts.items() if experts % world}
-    if bad:
-        layers = ", ".join(f"{path} ({experts} experts)" for path, experts in list(bad.items())[:3])
-        allowed = _common_divisors(list(counts.values()))
-        raise MoespecError(f"{what}: {world} ranks do not divide the experts of {layers}; expert parallelism "
-                           f"runs on a number of ranks that divides every layer's experts: "
-                           f"{', '.join(map(str, allowed))}")
-
-
-def _common_divisors(counts: list[int]) -> list[int]:
-    return [w for w in range(1, min(counts) + 1) if all(c % w == 0 for c in counts)]
+def check_divisible(experts: dict[str, int], world: int, what: str) -> None:
+    """Every MoE layer's experts (`experts`: layer path -> E) must split evenly over `world` ranks."""
+    problem = uneven_experts(experts, world)
+    if problem is not None:
+        raise MoespecError(f"{what}: {problem}")
 
 
 def _check_same_spec(spec, group: dist.ProcessGroup) -> None:
