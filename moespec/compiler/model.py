@@ -67,13 +67,14 @@ def _rewrite(model: nn.Module, plan: Plan, moe_device) -> tuple[fx.GraphModule, 
     return gm, swapped
 
 
-def create_model(spec: Spec, *, device: str | torch.device = "cpu", seed: int | None = None) -> nn.Module:
+def create_model(spec: Spec, *, device: str | torch.device = "cpu", seed: int | None = None,
+                 moe_device: str | torch.device | None = None) -> nn.Module:
     """The MoE model of `spec`, randomly initialized (timm's init for the backbone), in training mode like a
     fresh timm model.
 
     `seed` makes the initialization reproducible without touching the caller's random state (the same weights
     as `torch.manual_seed(seed)` before the call). `device="meta"` builds it without allocating weights (for
-    counting parameters).
+    counting parameters); `moe_device="meta"` builds only the MoE layers so (to be filled from a file).
     """
     seeded = torch.random.fork_rng(devices=[]) if seed is not None else contextlib.nullcontext()
     with seeded:
@@ -81,9 +82,9 @@ def create_model(spec: Spec, *, device: str | torch.device = "cpu", seed: int | 
             torch.manual_seed(seed)
         backbone = create_backbone(spec, device=device)
         plan = plan_for(spec, backbone)
-        if str(device) != "meta":
+        if "meta" not in (str(device), str(moe_device)):
             check_fits_in_memory(backbone, plan)
-        model = compile_model(backbone, plan, inplace=True)
+        model = compile_model(backbone, plan, moe_device=moe_device, inplace=True)
     model.moespec_spec = spec
     return model.train()
 

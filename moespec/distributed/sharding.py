@@ -4,7 +4,8 @@ After `shard_experts(model)`, rank r of W holds experts [r * E/W, (r+1) * E/W) o
 `ExpertParallel` bank in place of each `Experts` bank; the state-dict names stay). Everything else stays
 replicated: wrap the model in DistributedDataParallel as usual, which leaves the expert parameters out (they
 differ per rank; averaging them would mix different experts). Their gradients are divided by W as they are
-computed, so that they equal one process's on the whole batch when the loss is a mean over each rank's batch.
+computed (`ExpertParallel._param_list`), so that they equal one process's on the whole batch when the loss is
+a mean over each rank's batch.
 """
 
 from __future__ import annotations
@@ -28,9 +29,7 @@ def shard_experts(model: nn.Module, group: dist.ProcessGroup | None = None) -> n
     Call it before building the optimizer, whose parameters it replaces. `group` must span every rank: experts
     replicated over several expert-parallel groups (expert data parallelism) are not supported yet.
     """
-    if not dist.is_available() or not dist.is_initialized():
-        raise MoespecError("shard_experts needs an initialized process group: call "
-                           "torch.distributed.init_process_group() first (run the script under torchrun)")
+    require_process_group("shard_experts")
     if sharded_banks(model):
         raise MoespecError("shard_experts: this model's experts are already sharded (it was called twice)")
     spec = getattr(model, "moespec_spec", None)
@@ -50,11 +49,15 @@ def shard_experts(model: nn.Module, group: dist.ProcessGroup | None = None) -> n
     ignored = []
     for path, layer in moe_layers(model).items():
         layer.experts = ExpertParallel.shard(layer.experts, traffic)
-        for name, param in layer.experts.named_parameters():
-            param.register_hook(lambda grad, world=world: grad / world)
-            ignored.append(f"{path}.experts.{name}")
+        ignored += [f"{path}.experts.{name}" for name, _ in layer.experts.named_parameters()]
     DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignored)
     return model
+
+
+def require_process_group(what: str) -> None:
+    if not dist.is_available() or not dist.is_initialized():
+        raise MoespecError(f"{what} needs an initialized process group: call torch.distributed.init_process_group() "
+                           f"first (and run the script under torchrun)")
 
 
 def check_divisible(experts: dict[str, int], world: int, what: str) -> None:
@@ -79,6 +82,12 @@ def expert_group(model: nn.Module) -> dist.ProcessGroup | None:
     """The process group a model's experts are sharded over (None if they are not)."""
     banks = sharded_banks(model)
     return next(iter(banks.values())).group if banks else None
+
+
+def expert_banks(model: nn.Module) -> dict[str, ExpertParallel]:
+    """This rank's expert banks by qualified name: `bank.first` .. `bank.first + bank.local_experts - 1` of
+    `bank.num_experts` experts."""
+    return sharded_banks(model)
 
 
 def expert_parameters(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:

@@ -28,6 +28,19 @@ class AllToAll(torch.autograd.Function):
         return grad_in, None, None, None
 
 
+class ScaleGrad(torch.autograd.Function):
+    """Identity in forward; multiplies the gradient by `scale` in backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad * ctx.scale, None
+
+
 def all_reduce_sum(tensors: Sequence[torch.Tensor], group) -> list[torch.Tensor]:
     """Each tensor summed over `group`'s W ranks (as it is, without a group), in one collective, in float64 (so
     that counts stay exact).

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .collectives import AllToAll
+from .collectives import AllToAll, ScaleGrad
 from .experts import Experts
 
 
@@ -101,6 +101,12 @@ class ExpertParallel(Experts):
 
     def forward_all(self, x: torch.Tensor, groups: torch.Tensor | None = None) -> torch.Tensor:
         raise NotImplementedError("shared experts are replicated, never sharded")
+
+    def _param_list(self) -> list[torch.Tensor | None]:
+        """The local experts' weights, their gradients divided by W: each rank's loss is a mean over its own
+        batch, and these weights see every rank's rows, so that the gradient equals one process's on the
+        whole batch (replicated weights get the same 1/W from DistributedDataParallel's average)."""
+        return [None if p is None else ScaleGrad.apply(p, 1.0 / self.world) for p in super()._param_list()]
 
     def extra_repr(self) -> str:
         return f"experts {self.first}..{self.first + self.local_experts - 1} of {self.num_experts}, rank " \

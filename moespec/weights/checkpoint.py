@@ -11,6 +11,7 @@ import hashlib
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from .._version import __version__
@@ -19,11 +20,13 @@ from ..errors import CheckpointError, MoespecError
 from ..io import (
     DEFAULT_MAX_SHARD_SIZE,
     TensorInfo,
+    check_output,
     checkpoint_files,
     read_safetensors_into,
     safetensors_shapes,
     write_sharded,
 )
+from ..layers.expert_parallel import ExpertParallel, sharded_banks
 from ..spec import DENSE_SUFFIXES, Spec, load_spec
 from .dense import check_state_dict, read_state_dict
 
@@ -34,14 +37,58 @@ SPEC_KEY, SPEC_HASH_KEY, VERSION_KEY = "moespec.spec", "moespec.spec_sha256", "m
 def save(model: nn.Module, path: str | Path, *, force: bool = False, dtype: torch.dtype | None = None,
          max_shard_size: int = DEFAULT_MAX_SHARD_SIZE) -> Path:
     """Save a compiled MoE model as safetensors with its spec in the header metadata, sharded beyond
-    `max_shard_size` bytes; floating tensors are cast to `dtype` if given. Returns the path to `load`."""
+    `max_shard_size` bytes; floating tensors are cast to `dtype` if given. Returns the path to `load`.
+
+    A model whose experts are sharded over ranks (`moespec.distributed.shard_experts`) is saved by a collective
+    call on every rank: rank 0 writes the same file one process writes, so that it loads at any world size."""
     spec = getattr(model, "moespec_spec", None)
     if spec is None:
         raise MoespecError("this model was not built by moespec (no spec attached); build it with moespec.create_model")
     state = model.state_dict()
+    banks = sharded_banks(model)
+    if banks:
+        return _save_sharded(model, state, banks, path, spec, force=force, dtype=dtype, max_shard_size=max_shard_size)
     infos = [TensorInfo(name, tuple(t.shape), output_dtype(t.dtype, dtype)) for name, t in state.items()]
     write_sharded(path, infos, lambda info: state[info.name].to(info.dtype), spec_metadata(spec),
                   max_shard_size=max_shard_size, force=force)
+    return Path(path)
+
+
+def _save_sharded(model: nn.Module, state: dict[str, torch.Tensor], banks: dict[str, ExpertParallel],
+                  path: str | Path, spec: Spec, *, force: bool, dtype: torch.dtype | None,
+                  max_shard_size: int) -> Path:
+    """`save` of a model whose experts are sharded over ranks (a collective): rank 0 writes the file one
+    process writes, gathering each expert tensor from the ranks as it reaches it, one at a time."""
+    owner = {name: bank for prefix, bank in banks.items() for name in state if name.startswith(prefix + ".")}
+    group = next(iter(banks.values())).group
+    world, root = dist.get_world_size(group), dist.get_global_rank(group, 0)
+    writer = dist.get_rank() == root
+    problem = [None]
+    if writer:  # refuse before any collective, so that no rank waits on a gather that never comes
+        try:
+            check_output(Path(path), force=force)
+        except MoespecError as error:
+            problem[0] = str(error)
+    dist.broadcast_object_list(problem, src=root, group=group)
+    if problem[0] is not None:
+        raise MoespecError(problem[0])
+    infos = [TensorInfo(name, (t.shape[0] * world, *t.shape[1:]) if name in owner else tuple(t.shape),
+                        output_dtype(t.dtype, dtype)) for name, t in state.items()]
+
+    def tensor(info: TensorInfo) -> torch.Tensor:
+        local = state[info.name].to(info.dtype).contiguous()
+        if info.name not in owner:
+            return local
+        pieces = [torch.empty_like(local) for _ in range(world)] if writer else None
+        dist.gather(local, pieces, dst=root, group=group)
+        return torch.cat(pieces) if writer else local
+
+    if writer:
+        write_sharded(path, infos, tensor, spec_metadata(spec), max_shard_size=max_shard_size, force=force)
+    else:
+        for info in infos:
+            tensor(info)
+    dist.barrier(group=group)  # every rank returns once the file is there
     return Path(path)
 
 

@@ -91,7 +91,9 @@ def upcycle(spec: Spec, checkpoint: str | Path | None = None, *, seed: int = 0,
 def upcycle_with_report(spec: Spec, checkpoint: str | Path | None = None, *, seed: int = 0,
                         check: bool = True, trust_pickle: bool = False) -> tuple[nn.Module, UpcycleReport | None]:
     """`upcycle`, plus a comparison of the upcycled model's logits with the dense model's on random input."""
-    dense, source = dense_model(spec, checkpoint, trust_pickle=trust_pickle)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)  # a dense model without weights gets a reproducible fresh init
+        dense, source = dense_model(spec, checkpoint, trust_pickle=trust_pickle)
     generator = torch.Generator().manual_seed(seed)
     model = create_model(spec)
     upcycle_into(model, spec, model.moespec_plan, dense.state_dict(), generator)
@@ -150,14 +152,22 @@ def upcycle_layer(moe: nn.Module, layer: LayerPlan, ffn_state: dict[str, torch.T
 def _fill(bank: nn.Module, experts: list[Callable[[], dict[str, torch.Tensor]]], noise: float,
           generator: torch.Generator) -> None:
     """Copy each expert's tensors (made by `experts[i]()`, one expert at a time: a layer of a giant spec is
-    large) into the bank's [E, ...] parameters, adding N(0, noise^2) to the fc weights."""
+    large) into the bank's [E, ...] parameters, adding N(0, noise^2) to the fc weights. A bank sharded over
+    ranks holds experts [first, first + local_experts): the others are not made, but their noise is drawn, so
+    that the generator gives every rank the noise one process gives its experts."""
     params = dict(bank.named_parameters())
+    first = getattr(bank, "first", 0)
+    noisy = [name for name in params if noise > 0 and name.endswith("weight") and name.startswith("fc")]
     for i, make in enumerate(experts):
+        local = i - first
+        if not 0 <= local < bank.local_experts:
+            for name in noisy:
+                torch.randn(params[name].shape[1:], generator=generator)
+            continue
         for name, tensor in make().items():
-            param = params[name]
-            param[i].copy_(tensor.reshape(param.shape[1:]))
-            if noise > 0 and name.endswith("weight") and name.startswith("fc"):
-                param[i].add_(torch.randn(param.shape[1:], generator=generator), alpha=noise)
+            params[name][local].copy_(tensor.reshape(params[name].shape[1:]))
+        for name in noisy:
+            params[name][local].add_(torch.randn(params[name].shape[1:], generator=generator), alpha=noise)
 
 
 @torch.no_grad()
