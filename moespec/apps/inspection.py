@@ -24,11 +24,13 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
+import torch.distributed as dist
 from PIL import Image, UnidentifiedImageError
 from timm.data import create_transform, resolve_data_config
 from torch import nn
 
 from ..compiler import create_model, moe_layers
+from ..distributed import expert_group
 from ..errors import MoespecError
 from ..spec import load_spec
 from ..spec.loading import SPEC_SUFFIXES
@@ -182,21 +184,29 @@ def inspect_routing(model: nn.Module, folder: ImageFolder, *, batch_size: int = 
     tallies = {path: _Tally(len(folder.classes), layer.num_experts) for path, layer in layers.items()}
     images_per_class, skipped = [0] * len(folder.classes), []
     batches = [folder.files[i:i + batch_size] for i in range(0, len(folder.files), batch_size)]
+    group = expert_group(model)  # experts sharded over ranks: each rank routes its share of the batches
+    rank, world = (dist.get_rank(group), dist.get_world_size(group)) if group is not None else (0, 1)
+    mine, rounds = batches[rank::world], -(-len(batches) // world)
     model.eval()
-    for done, batch in enumerate(batches):
-        if on_batch is not None:
-            on_batch(batch[0][0].parent.name, done, len(batches))
+    for done in range(rounds):
+        batch = mine[done] if done < len(mine) else []
+        if on_batch is not None and batch:
+            on_batch(batch[0][0].parent.name, done * world, len(batches))
         tensors, labels = _read(batch, transform, config["input_size"][0], skipped)
+        if not tensors and group is None:
+            continue
+        with torch.no_grad():  # a rank out of images still joins the others' exchanges, with a blank image
+            model(torch.stack(tensors) if tensors else torch.zeros(1, *config["input_size"]))
         if not tensors:
             continue
-        with torch.no_grad():
-            model(torch.stack(tensors))
         for path, layer in layers.items():
             tallies[path].add(layer, torch.tensor(labels), kinds[path].inspect.tally)
         for label in labels:
             images_per_class[label] += 1
     if on_batch is not None:
         on_batch("", len(batches), len(batches))
+    if group is not None:  # the counts of every rank
+        images_per_class, skipped = _sum_over_ranks(tallies.values(), images_per_class, skipped, group)
     if not any(images_per_class):
         first = f"; first: {skipped[0]}" if skipped else ""
         raise MoespecError(f"{folder.root}: no readable images ({len(skipped)} file(s) could not be read{first})")
@@ -206,6 +216,21 @@ def inspect_routing(model: nn.Module, folder: ImageFolder, *, batch_size: int = 
         classes=list(folder.classes), images_per_class=images_per_class,
         layers=[tallies[path].result(path, layer, plan.layer(path).router["kind"]) for path, layer in layers.items()],
         skipped=skipped, empty_classes=list(folder.empty_classes))
+
+
+def _sum_over_ranks(tallies, images_per_class: list[int], skipped: list[str], group
+                    ) -> tuple[list[int], list[str]]:
+    """Sum the tallies and class counts over the ranks (in place / returned) and gather the skipped files."""
+    for tally in tallies:
+        numbers = torch.tensor([tally.images, tally.dropped], dtype=torch.float64)
+        for tensor in (tally.assigned, tally.tokens, numbers):
+            dist.all_reduce(tensor, group=group)
+        tally.images, tally.dropped = int(numbers[0]), float(numbers[1])
+    counts = torch.tensor(images_per_class, dtype=torch.long)
+    dist.all_reduce(counts, group=group)
+    everyone: list[list[str]] = [[] for _ in range(dist.get_world_size(group))]
+    dist.all_gather_object(everyone, skipped, group=group)
+    return counts.tolist(), [line for lines in everyone for line in lines]
 
 
 def _read(batch, transform, channels: int, skipped: list[str]) -> tuple[list[torch.Tensor], list[int]]:

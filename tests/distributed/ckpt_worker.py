@@ -9,6 +9,7 @@ Modes:
     train     AdamW steps in float64; `train-save` saves the state after step 1 and goes on to steps 2 and 3,
               `train-resume` loads it (at any world size, or in one process without torch.distributed) and
               runs steps 2 and 3: both write the global losses of steps 2 and 3
+    inspect   inspect_routing of a sharded model reports what one process reports (global counts)
     errors    calling shard_experts twice, different specs on different ranks, md.load of E % W != 0
 Each rank writes OUT_DIR/MODE-w{W}-rank{r}.json.
 """
@@ -85,6 +86,31 @@ def upcycle(out: Path, rank: int, world: int) -> dict:
                                                :][: t.shape[0]] if ".experts." in n else t - fresh_reference[n])
                       .abs().max().item() for n, t in fresh.state_dict().items())
     return {"weights_diff": worst, "fresh_diff": fresh_worst}
+
+
+def inspect(out: Path, rank: int, world: int) -> dict:
+    """inspect_routing of a sharded model, each rank routing its share of the batches (5 batches: one rank
+    has one batch fewer), equals one process's report."""
+    from PIL import Image
+
+    from moespec.apps.inspection import find_images, inspect_routing
+
+    images = out / "images"
+    if rank == 0:
+        generator = torch.Generator().manual_seed(0)
+        for label in ("cat", "dog", "emu"):
+            (images / label).mkdir(parents=True, exist_ok=True)
+            for i in range(3):
+                pixels = (torch.rand(32, 32, 3, generator=generator) * 255).to(torch.uint8).numpy()
+                Image.fromarray(pixels).save(images / label / f"{i}.png")
+    dist.barrier()
+    folder = find_images(images)
+    model = moespec.create_model(spec(), seed=0)
+    reference = inspect_routing(copy.deepcopy(model), folder, batch_size=2).to_dict()
+    md.shard_experts(model)
+    report = inspect_routing(model, folder, batch_size=2).to_dict()
+    same = json.dumps(report, sort_keys=True) == json.dumps(reference, sort_keys=True)
+    return {"same": same, "report": report["layers"][0]["load"], "reference": reference["layers"][0]["load"]}
 
 
 def _batch(world: int):
@@ -165,7 +191,7 @@ def main() -> None:
         if mode in ("train-save", "train-resume"):
             result = train(out, mode, distributed)
         else:
-            result = {"files": files, "upcycle": upcycle, "errors": errors}[mode](out, rank, world)
+            result = {"files": files, "upcycle": upcycle, "errors": errors, "inspect": inspect}[mode](out, rank, world)
         (out / f"{mode}-w{world}-rank{rank}.json").write_text(json.dumps(result, indent=1))
     if distributed:
         dist.destroy_process_group()

@@ -26,6 +26,7 @@ CASES: dict[str, tuple[dict, list[dict]]] = {
     "shared": (VIT, [{"where": EVERY, "experts": 4, "top_k": 2, "shared_experts": 1}]),
     "swiglu-norm": (EVA_SWIGLU_NORM, [{"where": EVERY, "experts": 4, "top_k": 2}]),
     "grn": (CONVNEXT_GRN, [{"where": {"stage_last": 2}, "experts": 4, "top_k": 1}]),
+    "topk2-fp32": (VIT, [{"where": EVERY, "experts": 4, "top_k": 2}]),  # in float32: equal to 1e-5
     # every gate weight 0: all logits tie, every item goes to expert 0, the other ranks receive no rows
     "one-expert": (VIT, [{"where": EVERY, "experts": 4, "top_k": 1}]),
 }

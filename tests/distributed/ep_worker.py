@@ -36,14 +36,15 @@ def run_case(name: str, rank: int, world: int) -> dict:
     backbone, moe = CASES[name]
     size = input_size(backbone)
     spec = moespec.load_spec({"name": name, "backbone": backbone, "input_size": size, "moe": moe})
-    reference = randomize(moespec.create_model(spec, seed=0)).double()  # no branch scaled to nothing (GRN)
+    dtype = torch.float32 if name.endswith("fp32") else torch.float64
+    reference = randomize(moespec.create_model(spec, seed=0)).to(dtype)  # no branch scaled to nothing (GRN)
     if name == "one-expert":
         with torch.no_grad():
             for layer in moespec.moe_layers(reference).values():
                 layer.router.gate.weight.zero_()
     model = copy.deepcopy(reference)
     generator = torch.Generator().manual_seed(1)
-    x = torch.randn(world * PER_RANK, *size, generator=generator, dtype=torch.float64)
+    x = torch.randn(world * PER_RANK, *size, generator=generator, dtype=dtype)
     y = torch.randint(0, 10, (world * PER_RANK,), generator=generator)
     mine = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
 

@@ -25,9 +25,9 @@ def _results(out, mode: str, world: int) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
-    """One launch on 2 ranks for the file, upcycling and error checks."""
+    """One launch on 2 ranks for the file, upcycling, inspection and error checks."""
     out = tmp_path_factory.mktemp("ckpt")
-    torchrun(2, WORKER, "files,upcycle,errors", out)
+    torchrun(2, WORKER, "files,upcycle,inspect,errors", out)
     return out
 
 
@@ -47,6 +47,12 @@ def test_save_of_a_sharded_model_writes_the_one_process_file_and_load_reads_slic
 def test_distributed_upcycle_gives_each_rank_the_slice_of_one_process_upcycle(two_ranks):
     for result in _results(two_ranks, "upcycle", 2):
         assert result == {"weights_diff": 0.0, "fresh_diff": 0.0}
+
+
+@pytest.mark.slow
+def test_inspect_of_a_sharded_model_reports_every_ranks_images(two_ranks):
+    for result in _results(two_ranks, "inspect", 2):
+        assert result["same"], (result["report"], result["reference"])
 
 
 @pytest.mark.slow

@@ -1,5 +1,6 @@
 """Expert parallelism gives the numbers of one process: the test matrix of `ep_cases.py`, each case on 2 gloo
-ranks (4 ranks in the slow run), in float64, against one process with the same weights on the whole batch."""
+ranks (4 ranks in the slow run), in float64 (one case in float32), against one process with the same weights
+on the whole batch, with dropout and router noise off."""
 
 from __future__ import annotations
 
@@ -35,13 +36,14 @@ def results(tmp_path_factory):
 
 
 def _check(per_rank: list[dict], case: str) -> None:
+    tolerance = 1e-5 if case.endswith("fp32") else 1e-10  # float32 / float64
     for rank, result in enumerate(per_rank):
         r = result[case]
         assert r["output_scale"] > 0.1 and r["grad_scale"] > 1e-3, "a trivial model proves nothing"
-        assert r["output"] <= 1e-10, f"rank {rank}: outputs differ from one process's by {r['output']}"
-        assert r["aux"] <= 1e-10 * max(1.0, r["aux_value"]), f"rank {rank}: aux loss differs by {r['aux']}"
-        assert r["replicated_grad"] <= 1e-10, f"rank {rank}: replicated gradients differ by {r['replicated_grad']}"
-        assert r["expert_grad"] <= 1e-10, f"rank {rank}: expert gradients differ by {r['expert_grad']}"
+        assert r["output"] <= tolerance, f"rank {rank}: outputs differ from one process's by {r['output']}"
+        assert r["aux"] <= tolerance * max(1.0, r["aux_value"]), f"rank {rank}: aux loss differs by {r['aux']}"
+        assert r["replicated_grad"] <= tolerance, f"rank {rank}: replicated gradients differ by {r['replicated_grad']}"
+        assert r["expert_grad"] <= tolerance, f"rank {rank}: expert gradients differ by {r['expert_grad']}"
         assert r["stats_equal"], f"rank {rank}: routing_stats {r['stats']} != one process's {r['ref_stats']}"
 
 
