@@ -141,6 +141,7 @@ def test_every_shipped_spec_has_a_hand_written_expectation():
     assert {p.stem for p in SPECS} == set(EXPECTED) | set(SPARSE_SPECS)
 
 
+@pytest.mark.slow  # builds every real-size shipped backbone: about 40 s
 @pytest.mark.parametrize("path", [SPECS_DIR / f"{name}.yaml" for name in EXPECTED], ids=list(EXPECTED))
 def test_shipped_spec_counts_follow_the_formulas(path):
     s = moespec.stats(moespec.load_spec(path))
