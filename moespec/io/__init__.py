@@ -20,6 +20,7 @@ from .sharding import (
                           checkpoint_files,
                           index_file,
                           parse_size,
+                          refuse_existing,
                           shard_files,
                           shard_layout,
                           write_sharded,
@@ -27,5 +28,5 @@ from .sharding import (
 
 __all__ = ["DEFAULT_MAX_SHARD_SIZE", "DTYPE_NAMES", "SAFETENSORS_DTYPES", "TensorInfo", "atomic_output", "check_output",
            "checkpoint_files", "default_mode", "index_file", "parse_size", "read_safetensors_header",
-           "read_safetensors_into", "remove_stale_temp_files", "safetensors_shapes", "shard_files", "shard_layout",
-           "write_safetensors", "write_sharded"]
+           "read_safetensors_into", "refuse_existing", "remove_stale_temp_files", "safetensors_shapes", "shard_files",
+           "shard_layout", "write_safetensors", "write_sharded"]

@@ -65,9 +65,11 @@ def write_sharded(path: str | Path, infos: Sequence[TensorInfo], tensor: Callabl
                   force: bool = False) -> list[Path]:
     """Write tensors to `path` (one file), or to shards next to it plus `path.index.json` when they exceed
     `max_shard_size`. All files appear together: each is written to a temp file, and the renames happen
-    only once every shard is complete, the index last. A previous output at `path` (with `force`) is
-    replaced whole: shards of an older layout are removed. Returns the files written, index first if any."""
+    only once every shard is complete, the index last. An output already at `path` (one file, or shards
+    named by its index) is refused without `force`; with `force` it is replaced whole: the files of its
+    layout, as its own index names them, are removed. Returns the files written, index first if any."""
     path = Path(path)
+    old = refuse_existing(path, force)
     layout = shard_layout(infos, max_shard_size)
     files = shard_files(path, len(layout))
     total = sum(info.nbytes for info in infos)
@@ -82,18 +84,44 @@ def write_sharded(path: str | Path, infos: Sequence[TensorInfo], tensor: Callabl
             weight_map = {info.name: file.name for file, shard in zip(files, layout, strict=True) for info in shard}
             index.write_text(json.dumps({"metadata": {**metadata, "total_size": total}, "weight_map": weight_map},
                                         indent=2))
-    _remove_old_layout(path, keep=set(files) | {index_file(path)} if len(files) > 1 else {path})
-    return ([index_file(path)] if len(files) > 1 else []) + files
-
-
-def _remove_old_layout(path: Path, keep: set[Path]) -> None:
-    """After a forced overwrite: remove the single file or the shards and index of the previous layout."""
-    old = [path, index_file(path)]
-    stem = path.name.removesuffix(".safetensors")
-    old += path.parent.glob(f"{stem}-[0-9][0-9][0-9][0-9][0-9]-of-[0-9][0-9][0-9][0-9][0-9].safetensors")
-    for file in old:
-        if file not in keep and file.exists():
+    written = ([index_file(path)] if len(files) > 1 else []) + files
+    for file in old:  # after a forced overwrite: the previous layout's files that the new one did not replace
+        if file not in written and file.exists():
             file.unlink()
+    return written
+
+
+def refuse_existing(path: Path, force: bool) -> list[Path]:
+    """The files of the output already at `path` (`existing_layout`); refused unless `force`."""
+    old = existing_layout(path)
+    if old and not force:
+        shards = [f for f in old if f != path and f != index_file(path)]
+        sharded = f" as a sharded checkpoint ({index_file(path).name} and {len(shards)} shard(s))" \
+            if index_file(path) in old else ""
+        raise MoespecError(f"{path} already exists{sharded}; pass --force to overwrite it")
+    return old
+
+
+def existing_layout(path: Path) -> list[Path]:
+    """The files of the output already at `path`: the file itself, and the index at `path.index.json` with
+    the shards it names (plain file names in its folder; any other entry is not ours to touch). Never a glob:
+    other checkpoints in the folder are not part of it, whatever their names."""
+    found = [path] if path.is_file() else []
+    index = index_file(path)
+    if index.is_file():
+        found.append(index)
+        try:
+            names = json.loads(index.read_text())["weight_map"].values()
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            names = []
+        shards = {index.parent / name for name in names if isinstance(name, str) and _plain_name(name)}
+        found += sorted(shard for shard in shards if shard.is_file())
+    return found
+
+
+def _plain_name(name: str) -> bool:
+    """A file name inside the index's own folder: no folder part, no `..`."""
+    return name not in ("", ".", "..") and Path(name).name == name and "/" not in name and "\\" not in name
 
 
 def checkpoint_files(path: str | Path) -> tuple[dict[str, str], list[Path]]:

@@ -23,6 +23,7 @@ from ..io import (
     check_output,
     checkpoint_files,
     read_safetensors_into,
+    refuse_existing,
     safetensors_shapes,
     write_sharded,
 )
@@ -67,6 +68,7 @@ def _save_sharded(model: nn.Module, state: dict[str, torch.Tensor], banks: dict[
     if writer:  # refuse before any collective, so that no rank waits on a gather that never comes
         try:
             check_output(Path(path), force=force)
+            refuse_existing(Path(path), force)
         except MoespecError as error:
             problem[0] = str(error)
     dist.broadcast_object_list(problem, src=root, group=group)
