@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from . import create_model, load_spec, plan, save, stats, upcycle_to_checkpoint
-from .apps.inspect_report import write_report
+from .apps.inspect_report import check_report_folder, write_report
 from .apps.inspection import find_images, inspect_routing, load_model
 from .apps.plots import check_figure_path, require_matplotlib
 from .apps.sweep import parse_setting, sweep
@@ -310,6 +310,7 @@ def inspect_command(
     def body() -> None:
         require_matplotlib("moespec inspect")
         check_output(output, force, folder=True)
+        check_report_folder(output, [images, source, spec])
         folder = find_images(images, limit)
         model = load_model(source, seed=seed, spec=spec, ema=ema, trust_pickle=trust_pickle)
         with progress("routing images") as advance:
@@ -318,7 +319,7 @@ def inspect_command(
             _error(f"moespec: warning: skipped an unreadable image: {skipped}")
         if len(report.skipped) > 5:
             _error(f"moespec: warning: skipped {len(report.skipped) - 5} more unreadable images (see summary.json)")
-        write_report(report, output, force=force)
+        write_report(report, output, force=force, inputs=[images, source, spec])
         out.print(f"wrote {output / 'index.html'} ({len(report.layers)} MoE layers, {sum(report.images_per_class)} "
                   f"images in {len(report.classes)} classes)", markup=False)
 

@@ -6,20 +6,38 @@ from __future__ import annotations
 import html
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
+from ..errors import MoespecError
 from ..io import atomic_output
 from ..spec.registry import router_kind
 from .inspection import LayerRouting, RoutingReport
 from .plots import load_figure, routing_heatmap, save_figure
 
 
-def write_report(report: RoutingReport, output: str | Path, *, force: bool = False) -> Path:
+def write_report(report: RoutingReport, output: str | Path, *, force: bool = False,
+                 inputs: Sequence[str | Path | None] = ()) -> Path:
     """Write the report folder: it is built next to `output` and renamed into place once complete, so
-    `output` is always either the previous report or the whole new one."""
+    `output` is always either the previous report or the whole new one. `output` may not hold any of the
+    `inputs` (the image folder, the checkpoint): replacing it would delete them."""
+    check_report_folder(output, inputs)
     with atomic_output(output, force=force, folder=True) as building:
         _write_files(report, building)
     return Path(output)
+
+
+def check_report_folder(output: str | Path, inputs: Sequence[str | Path | None]) -> None:
+    """Refuse a report folder that is one of `inputs`, holds one or lies inside one (`--force` replaces the
+    folder whole, and a report inside the image folder would become part of the data)."""
+    folder = Path(output).resolve()
+    for given in inputs:
+        if given is None:
+            continue
+        path = Path(given).resolve()
+        if path == folder or folder in path.parents or path in folder.parents:
+            raise MoespecError(f"{output}: the report folder would replace or sit inside {given}, which it holds or "
+                               f"lies in; write the report to a folder of its own, outside the images and the "
+                               f"checkpoint")
 
 
 def figure_names(index: int, layer: LayerRouting) -> dict[str, str]:

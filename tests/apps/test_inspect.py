@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import stat
 import subprocess
 import sys
@@ -239,3 +240,19 @@ def test_inspect_command_end_to_end(workspace):
     assert again.exit_code == 2 and again.stdout == ""
     assert again.stderr == (f"moespec: error: {workspace / 'report'} already exists and is not empty; pass --force "
                             "to replace it\n")
+
+
+@pytest.mark.parametrize("where", ["images", "parent", "class"])
+def test_the_report_folder_never_replaces_the_images_or_the_checkpoint(workspace, report, tmp_path, where):
+    images = tmp_path / "data" / "images"
+    shutil.copytree(workspace / "images", images)
+    checkpoint = tmp_path / "data" / "model.safetensors"
+    moespec.save(moespec.create_model(moespec.load_spec(workspace / "spec.yaml")), checkpoint)
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    output = {"images": images, "parent": tmp_path / "data", "class": images / "red"}[where]
+    result = _cli("inspect", checkpoint, "--images", images, "-o", output, "--force")
+    assert result.exit_code == 2 and "a folder of its own" in result.stderr, result.stderr
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+    with pytest.raises(MoespecError, match="a folder of its own"):  # the library refuses too
+        write_report(report, tmp_path / "data", force=True, inputs=[images])
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
