@@ -3,6 +3,7 @@ and locating later problems (found against the real model) in the spec's file.""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -11,6 +12,7 @@ from pydantic import ValidationError
 from ..errors import MoespecError, Problem, SpecError
 from .models import Spec
 from .problems import merge_alternatives, problem, yaml_kind
+from .yaml_limits import MAX_SPEC_BYTES
 from .yaml_positions import Positions, load_yaml
 
 SPEC_SUFFIXES = (".yaml", ".yml")
@@ -20,10 +22,35 @@ def read_document(path: str | Path) -> tuple[dict, Positions]:
     """A spec file as a plain YAML mapping with the position of every value, named after the file when it
     has no name. Not validated: `sweep` edits the document first."""
     file, path = str(path), Path(path)
-    if not path.is_file():
-        raise SpecError(Problem(f"no such spec file{'' if not path.is_dir() else ' (it is a folder)'}", file=file))
-    data, positions = load_yaml(path.read_text(encoding="utf-8"), file)
+    data, positions = load_yaml(read_spec_text(path), file)
     return _named(data, file), positions
+
+
+def read_spec_text(path: Path) -> str:
+    """The text of a spec file. A folder, a missing, unreadable or non-UTF-8 file, or one over `MAX_SPEC_BYTES`
+    (refused before it is read) is a `SpecError` at the file (a bad byte at its line and column)."""
+    file = str(path)
+    if not path.is_file():  # not opened: a fifo would block, a device never end
+        message = ("no such spec file (it is a folder)" if path.is_dir()
+                   else "not a regular file (a fifo, socket or device); name a spec file" if path.exists()
+                   else "no such spec file (a broken symbolic link)" if path.is_symlink() else "no such spec file")
+        raise SpecError(Problem(message, file=file))
+    try:
+        with path.open("rb") as stream:
+            if os.fstat(stream.fileno()).st_size > MAX_SPEC_BYTES:
+                raise SpecError(Problem(f"the spec file is larger than {MAX_SPEC_BYTES:,} bytes; a spec is a few kB, "
+                                        f"refusing to read it", file=file))
+            data = stream.read(MAX_SPEC_BYTES + 1)  # a file that grows meanwhile is refused by `load_yaml`
+    except OSError as err:
+        raise SpecError(Problem(f"cannot read the spec file: {err.strerror or err}", file=file)) from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line_start = data.rfind(b"\n", 0, err.start) + 1
+        raise SpecError(Problem(
+            f"not UTF-8 text: byte 0x{data[err.start]:02x} cannot be decoded; save the spec file as UTF-8", file=file,
+            line=data.count(b"\n", 0, err.start) + 1,
+            column=len(data[line_start:err.start].decode("utf-8", "replace")) + 1)) from None
 
 
 def load_spec(source: str | Path | dict, *, text: str | None = None) -> Spec:
@@ -80,7 +107,7 @@ def spec_problem(spec: Spec, path: str, message: str) -> Problem:
     line = column = None
     if spec.source and Path(spec.source).is_file():
         try:
-            _, positions = load_yaml(Path(spec.source).read_text(encoding="utf-8"), spec.source)
+            _, positions = load_yaml(read_spec_text(Path(spec.source)), spec.source)
             line, column = positions.find(path.split("."))
         except SpecError:
             pass

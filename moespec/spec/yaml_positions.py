@@ -1,7 +1,8 @@
 """YAML loading that remembers where every value came from, so errors can say `file:line:col`.
 
 PyYAML's `safe_load` forgets positions and silently keeps the last of two duplicate keys; we compose the
-node tree once, build the data from it, and record the start mark of every key and value.
+node tree once (within the limits of `yaml_limits`), build the data from it, and record the start mark of
+every key and value.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from typing import Any
 import yaml
 
 from ..errors import Problem, SpecError, field_path
+from .yaml_limits import MAX_SPEC_BYTES, BoundedLoader, YamlLimitError
 
 
 class Positions:
@@ -44,14 +46,21 @@ class Positions:
 
 
 def load_yaml(text: str, file: str) -> tuple[Any, Positions]:
-    """Parse one YAML document; YAML errors, tabs and duplicate keys become a `SpecError` with a position."""
+    """Parse one YAML document; YAML errors, tabs, duplicate keys and documents over the limits of
+    `yaml_limits` (checked before anything is constructed) become a `SpecError` with a position."""
+    if len(text) > MAX_SPEC_BYTES or len(text.encode("utf-8", "surrogatepass")) > MAX_SPEC_BYTES:
+        raise SpecError(Problem(f"the spec is larger than {MAX_SPEC_BYTES:,} bytes; a spec is a few kB, refusing "
+                                f"to read it", file=file))
     try:
-        loader = yaml.SafeLoader(text)
+        loader = BoundedLoader(text)
     except yaml.reader.ReaderError as err:  # the reader checks every character up front
         raise SpecError(_character_problem(err, text, file)) from None
     try:
         node = loader.get_single_node()
         data = loader.construct_document(node) if node is not None else None
+    except YamlLimitError as err:
+        mark = err.problem_mark
+        raise SpecError(Problem(err.problem, file=file, line=mark.line + 1, column=mark.column + 1)) from None
     except yaml.MarkedYAMLError as err:
         mark = err.problem_mark or err.context_mark
         message = f"invalid YAML: {err.problem or err.context}"
