@@ -13,9 +13,11 @@ from pydantic import BeforeValidator, model_validator
 from torch import nn
 
 from ..layers import Experts, LinearGate, MoE, ProjectedGate
-from ..spec.fields import PositiveFloat, PositiveInt, SpecModel
+from ..spec.fields import IntRange, PositiveFloat, SpecModel
 
 DEFAULT_GATE_DIM, DEFAULT_TEMPERATURE = 16, 0.07  # cosine / l2 gates (X-MoE, Chi et al. 2022)
+MAX_GATE_DIM = 65_536
+"""A cosine / l2 gate's projection width: X-MoE uses 16; 65,536 is wider than any backbone's items."""
 
 
 class Gate(SpecModel):
@@ -27,7 +29,7 @@ class Gate(SpecModel):
     """
 
     kind: Literal["linear", "cosine", "l2"] = "linear"
-    dim: Optional[PositiveInt] = None
+    dim: Optional[IntRange(1, MAX_GATE_DIM)] = None
     """Projection width of cosine / l2 gates; default 16 (X-MoE)."""
     temperature: Optional[PositiveFloat] = None
     """Divides cosine / l2 logits; default 0.07."""

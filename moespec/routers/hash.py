@@ -19,7 +19,7 @@ from torch import nn
 
 from ..layers import Routing
 from ..layers.routing import stable_argsort
-from ..spec.fields import NonNegativeInt
+from ..spec.fields import IntRange
 from ..spec.registry import Inspection, RouterKind, RouterSpec, register_router_kind
 from .gates import routed_pairs, sparse_moe
 
@@ -28,7 +28,7 @@ class HashRouterSpec(RouterSpec):
     """Hash routing (Roller et al. 2021): each position of an image always goes to the same expert."""
 
     kind: Literal["hash"]
-    seed: NonNegativeInt = 0
+    seed: IntRange(0, 2**64 - 1) = 0  # what torch.Generator.manual_seed takes
     """Seed of the position -> expert permutation."""
 
     title: ClassVar[str] = "hash"

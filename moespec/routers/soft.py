@@ -8,15 +8,19 @@ from typing import Any, ClassVar, Literal
 import torch
 
 from ..layers import SoftMoE
-from ..spec.fields import PositiveInt
+from ..spec.fields import IntRange
 from ..spec.registry import Inspection, RouterKind, RouterSpec, register_router_kind
+
+MAX_SLOTS_PER_EXPERT = 65_536
+"""Soft MoE slots per expert: a single expert with one slot per token of a 4,096 px image in 16 px patches;
+Puigcerver et al. (2024) use 1 or 2."""
 
 
 class SoftRouterSpec(RouterSpec):
     """Soft MoE (Puigcerver et al. 2024): every slot is a convex combination of all tokens of a sequence."""
 
     kind: Literal["soft"]
-    slots_per_expert: PositiveInt = 1
+    slots_per_expert: IntRange(1, MAX_SLOTS_PER_EXPERT) = 1
 
     title: ClassVar[str] = "Soft MoE"
     takes_top_k: ClassVar[bool] = False

@@ -1,17 +1,33 @@
 """The vocabulary every spec model is written in: the strict base model and the number types.
 
-Counts are strict: `experts: true` or `experts: 2.5` is an error, not 1 or 2. Factors are finite: `.inf` and
-`.nan` are YAML floats, but no width, capacity or weight.
+Counts are strict: `experts: true` or `experts: 2.5` is an error, not 1 or 2, and bounded: each integer field
+says how large it may be, with the reason next to the bound, so that `experts: 10**30` is a spec error, not
+a C++ overflow in torch. Factors are finite: `.inf` and `.nan` are YAML floats, but no width, capacity or
+weight.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Union
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema
+from pydantic_core import PydanticCustomError
 
-PositiveInt = Annotated[int, Field(gt=0, strict=True)]
-NonNegativeInt = Annotated[int, Field(ge=0, strict=True)]
+
+def IntRange(low: int, high: int, *, strict: bool = True) -> Any:
+    """An integer from `low` to `high`, both included; out of range is one message naming both ends
+    (`input should be between 1 and 65536`), and the JSON Schema says the same. `strict=False` for mapping
+    keys, which JSON (and so an editor's schema check) writes as strings."""
+
+    def within(value: int) -> int:
+        if not low <= value <= high:
+            raise PydanticCustomError("int_range", "input should be between {low} and {high}",
+                                      {"low": low, "high": high})
+        return value
+
+    return Annotated[int, Field(strict=strict), AfterValidator(within),
+                     WithJsonSchema({"type": "integer", "minimum": low, "maximum": high})]
+
 PositiveFloat = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 NonNegativeFloat = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 

@@ -32,7 +32,7 @@ from pydantic import (
 )
 from pydantic.fields import FieldInfo
 
-from .fields import NonNegativeFloat, NonNegativeInt, OneOrList, PositiveFloat, PositiveInt, SpecModel
+from .fields import IntRange, NonNegativeFloat, OneOrList, PositiveFloat, SpecModel
 from .registry import ROUTER_KINDS, RouterSpec, on_register
 from .selectors import where_type
 
@@ -41,6 +41,20 @@ DENSE_SUFFIXES = (".safetensors", ".pth", ".pt", ".bin", ".pth.tar")
 
 DEFAULT_ROUTER_KIND = "topk"
 """A `router:` mapping without `kind` (and a group without `router:`) is a top-k router."""
+
+# Upper bounds of the spec's numbers: generous for every published configuration, small enough that the
+# sizes built from them (experts x hidden x width) never overflow torch's 64-bit sizes.
+MAX_EXPERTS = 65_536
+"""Routed experts, top_k and shared experts of a layer: 16 x the largest published layer, Soft MoE's 4,096
+experts (Puigcerver et al. 2024; V-MoE has 32, Riquelme et al. 2021)."""
+MAX_EXPERT_HIDDEN = 1_048_576
+"""An expert's hidden width (2**20): 40 x the widest published ViT MLP, ViT-22B's 24,576 (Dehghani et al. 2023)."""
+MAX_WIDTH_FACTOR = 64.0
+"""`expert_mlp_ratio` and rescale factors: 16 x ViT's MLP ratio of 4; Sparse-MLP rescales by 0.3 to 2."""
+MAX_CHANNELS = 1_024
+"""Input channels: 4 x hyperspectral images' 224 bands (AVIRIS)."""
+MAX_IMAGE_SIDE = 16_384
+"""Input height and width in pixels: 16 x the 1,024 px of SAM's ViT (Kirillov et al. 2023), the largest in timm."""
 
 
 class Backbone(SpecModel):
@@ -92,15 +106,15 @@ class MoEGroup(SpecModel):
     where: Any
     """Which blocks: one selector or a list of them (their union)."""
     sublayer: Annotated[str, Field(min_length=1)] = "mlp"
-    experts: NonNegativeInt
+    experts: IntRange(0, MAX_EXPERTS)
     """Routed experts E. 0 means a plain (dense) MLP of width `expert_hidden`, only in blocks rebuilt by
     `rescale` (Sparse-MLP's "0 = plain MLP")."""
-    top_k: PositiveInt = 1
-    expert_hidden: Optional[PositiveInt] = None
+    top_k: IntRange(1, MAX_EXPERTS) = 1
+    expert_hidden: Optional[IntRange(1, MAX_EXPERT_HIDDEN)] = None
     """Hidden width of each expert; default: the dense FFN's hidden width."""
-    expert_mlp_ratio: Optional[PositiveFloat] = None
+    expert_mlp_ratio: Optional[Annotated[PositiveFloat, Field(le=MAX_WIDTH_FACTOR)]] = None
     """Hidden width as a multiple of the FFN's input width (alternative to `expert_hidden`)."""
-    shared_experts: NonNegativeInt = 0
+    shared_experts: IntRange(0, MAX_EXPERTS) = 0
     """Always-active experts whose output is added to the routed output (ViMoE)."""
     router: Any = None
     capacity_factor: Optional[PositiveFloat] = None
@@ -188,9 +202,9 @@ class RescaleSpec(SpecModel):
     wrapped by a pro-token rescale [S, C] -> [S1, C1] before it and a pro-channel rescale back after it."""
 
     where: Any
-    tokens: PositiveFloat = 1.0
+    tokens: Annotated[PositiveFloat, Field(le=MAX_WIDTH_FACTOR)] = 1.0
     """S1 / S."""
-    channels: PositiveFloat = 1.0
+    channels: Annotated[PositiveFloat, Field(le=MAX_WIDTH_FACTOR)] = 1.0
     """C1 / C."""
 
 
@@ -207,7 +221,8 @@ class Spec(SpecModel):
     name: Optional[Annotated[str, Field(min_length=1)]] = None
     """Defaults to the spec file's stem."""
     backbone: Backbone
-    input_size: Optional[Annotated[tuple[PositiveInt, PositiveInt, PositiveInt],
+    input_size: Optional[Annotated[tuple[IntRange(1, MAX_CHANNELS), IntRange(1, MAX_IMAGE_SIDE),
+                                         IntRange(1, MAX_IMAGE_SIDE)],
                                    BeforeValidator(_channels_height_width)]] = None
     """(channels, height, width); default: the backbone's pretrained_cfg input_size."""
     rescale: OneOrList(RescaleSpec) = []

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Literal, Optional, Union, get_args
 
-from .fields import PositiveInt, SpecModel
+from .fields import IntRange, SpecModel
 
 SELECTORS: dict[str, type] = {}
 """YAML key -> selector model (`spec.selectors.Selector`)."""
@@ -49,12 +49,16 @@ def unregister_selector(key: str) -> None:
     _changed()
 
 
+MAX_GROUP_IMAGES = 1_048_576
+"""Images per routing group (2**20): more than any batch; V-MoE groups a device's batch (Riquelme et al. 2021)."""
+
+
 class RouterSpec(SpecModel):
     """Base of every `router:` mapping. The class attributes say how the kind combines with the surgery
     group's other fields; `MoEGroup` checks them, so its errors name the right field."""
 
     kind: str
-    group: Optional[Union[Literal["image", "batch"], PositiveInt]] = None
+    group: Optional[Union[Literal["image", "batch"], IntRange(1, MAX_GROUP_IMAGES)]] = None
     """The routing group, within which capacity, priority and drops are decided: `image` (the default) routes
     each image alone, so its prediction does not depend on the rest of its batch; N, groups of N consecutive
     images (V-MoE's group_size); `batch`, the whole batch."""

@@ -20,8 +20,14 @@ from typing import Annotated, Any, ClassVar, Literal, Union
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag
 
 from .blocks import BlockLayout
-from .fields import PositiveInt
+from .fields import IntRange
 from .registry import SELECTORS, register_selector
+
+MAX_BLOCKS = 4_096
+"""Selector counts and indices stay within +-4,096 blocks (or stages): 40 x the deepest timm backbones, which
+have about 100 residual blocks."""
+BlockCount = IntRange(1, MAX_BLOCKS)
+BlockIndex = IntRange(-MAX_BLOCKS, MAX_BLOCKS - 1, strict=False)
 
 
 class SelectorError(ValueError):
@@ -56,7 +62,7 @@ class Every(Selector):
 
     FORM: ClassVar[str] = "{every: N}"
 
-    every: PositiveInt
+    every: BlockCount
 
     def resolve(self, layout: BlockLayout) -> list[int]:
         return [i for i in range(len(layout.blocks)) if (i + 1) % self.every == 0]
@@ -68,7 +74,7 @@ class Last(Selector):
 
     FORM: ClassVar[str] = "{last: N}"
 
-    last: PositiveInt
+    last: BlockCount
 
     def resolve(self, layout: BlockLayout) -> list[int]:
         count = len(layout.blocks)
@@ -83,7 +89,7 @@ class First(Selector):
 
     FORM: ClassVar[str] = "{first: N}"
 
-    first: PositiveInt
+    first: BlockCount
 
     def resolve(self, layout: BlockLayout) -> list[int]:
         count = len(layout.blocks)
@@ -99,7 +105,7 @@ class Blocks(Selector):
 
     FORM: ClassVar[str] = "{blocks: [i, ...]}"
 
-    blocks: Annotated[list[int], Field(min_length=1)]
+    blocks: Annotated[list[BlockIndex], Field(min_length=1)]
 
     def resolve(self, layout: BlockLayout) -> list[int]:
         return [_check_index(i, len(layout.blocks), "block") for i in self.blocks]
@@ -111,7 +117,7 @@ class StageLast(Selector):
 
     FORM: ClassVar[str] = "{stage_last: N | all}"
 
-    stage_last: Union[PositiveInt, Literal["all"]]
+    stage_last: Union[BlockCount, Literal["all"]]
 
     def resolve(self, layout: BlockLayout) -> list[int]:
         _need_stages(layout, "stage_last")
@@ -129,7 +135,7 @@ class Stages(Selector):
 
     FORM: ClassVar[str] = "{stages: {stage: [i, ...]}}"
 
-    stages: Annotated[dict[int, Annotated[list[int], Field(min_length=1)]],
+    stages: Annotated[dict[BlockIndex, Annotated[list[BlockIndex], Field(min_length=1)]],
                       Field(min_length=1, json_schema_extra={"propertyNames": {"pattern": "^-?[0-9]+$"}})]
 
     def resolve(self, layout: BlockLayout) -> list[int]:

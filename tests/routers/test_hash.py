@@ -100,3 +100,10 @@ def test_inspect_counts_every_token_once(hash_kind):
         mass, dropped = hash_kind.HASH.inspect.tally(layer)
         assert mass.shape == (2, 4) and dropped == 0.0
         assert mass.sum(dim=1).tolist() == [PATCHES, PATCHES]  # a share row sums to 1
+
+
+def test_the_seed_is_bounded_by_what_torch_takes(hash_kind):
+    """A seed of 2**64 was an OverflowError of torch.Generator.manual_seed (exit 1)."""
+    assert make_spec(TINY_VIT, [{**HASH_GROUP, "router": {"kind": "hash", "seed": 2**64 - 1}}])
+    with pytest.raises(SpecError, match="moe.0.router.seed: input should be between 0 and 18446744073709551615"):
+        make_spec(TINY_VIT, [{**HASH_GROUP, "router": {"kind": "hash", "seed": 2**64}}])

@@ -174,8 +174,8 @@ moe:
     problem = only_problem(path)
     assert (problem.file, problem.line, problem.path) == (str(path), line_of(text, "experts:"), "moe.0.experts")
     assert problem.column == column_of(text, "experts:")
-    assert problem.message == "input should be greater than or equal to 0"
-    assert str(problem) == f"{path}:4:5: moe.0.experts: input should be greater than or equal to 0"
+    assert problem.message == "input should be between 0 and 65536"
+    assert str(problem) == f"{path}:4:5: moe.0.experts: input should be between 0 and 65536"
 
 
 def test_zero_experts_only_in_rescaled_blocks(tmp_path):

@@ -1,0 +1,74 @@
+"""Every integer field of the spec has an upper bound, stated in its message and in the JSON Schema, so that
+`experts: 10**30` is a located spec error, not a C++ overflow in torch (exit 1); so have the width factors."""
+
+from __future__ import annotations
+
+import pytest
+from typer.testing import CliRunner
+
+from moespec import SpecError, load_spec
+from moespec.cli import app
+
+from ..conftest import TINY_SPEC_YAML, TINY_VIT
+
+
+def problem_of(source):
+    with pytest.raises(SpecError) as info:
+        load_spec(source)
+    assert len(info.value.problems) == 1, str(info.value)
+    return info.value.problems[0]
+
+
+def in_group(fields):
+    """value -> a spec whose one surgery group has `fields(value)`."""
+    return lambda value: {"backbone": TINY_VIT, "moe": [{"where": {"last": 1}, "experts": 4, **fields(value)}]}
+
+
+BOUNDS = {  # field: (a spec with the value there, the lowest and the highest value allowed)
+    "moe.0.experts": (in_group(lambda v: {"experts": v}), 0, 65_536),
+    "moe.0.top_k": (in_group(lambda v: {"experts": 65_536, "top_k": v}), 1, 65_536),
+    "moe.0.shared_experts": (in_group(lambda v: {"shared_experts": v}), 0, 65_536),
+    "moe.0.expert_hidden": (in_group(lambda v: {"expert_hidden": v}), 1, 1_048_576),
+    "moe.0.router.group": (in_group(lambda v: {"router": {"group": v}, "capacity_factor": 1.0}), 1, 1_048_576),
+    "moe.0.router.gate.dim": (in_group(lambda v: {"router": {"gate": {"kind": "cosine", "dim": v}}}), 1, 65_536),
+    "moe.0.router.slots_per_expert": (in_group(lambda v: {"router": {"kind": "soft", "slots_per_expert": v}}),
+                                      1, 65_536),
+    "moe.0.where.every": (in_group(lambda v: {"where": {"every": v}}), 1, 4_096),
+    "moe.0.where.last": (in_group(lambda v: {"where": {"last": v}}), 1, 4_096),
+    "moe.0.where.first": (in_group(lambda v: {"where": {"first": v}}), 1, 4_096),
+    "moe.0.where.stage_last": (in_group(lambda v: {"where": {"stage_last": v}}), 1, 4_096),
+    "moe.0.where.blocks.0": (in_group(lambda v: {"where": {"blocks": [v]}}), -4_096, 4_095),
+    "moe.0.where.stages (a stage)": (in_group(lambda v: {"where": {"stages": {v: [0]}}}), -4_096, 4_095),
+    "moe.0.where.stages.0.0": (in_group(lambda v: {"where": {"stages": {0: [v]}}}), -4_096, 4_095),
+    "input_size.0": (lambda v: {"backbone": TINY_VIT, "input_size": [v, 64, 64]}, 1, 1_024),
+    "input_size.2": (lambda v: {"backbone": TINY_VIT, "input_size": [3, 64, v]}, 1, 16_384),
+}
+
+
+@pytest.mark.parametrize("field", BOUNDS)
+def test_every_integer_field_is_bounded_and_says_its_range(field):
+    spec, low, high = BOUNDS[field]
+    for inside in (low, high):
+        load_spec(spec(inside))
+    for outside in (low - 1, high + 1, 10**30):
+        problem = problem_of(spec(outside))
+        assert problem.path.startswith(field.split(" ")[0]) and f"between {low} and {high}" in problem.message, problem
+
+
+@pytest.mark.parametrize("field", ["expert_mlp_ratio", "rescale.tokens", "rescale.channels"])
+def test_width_factors_are_bounded(field):
+    document = {"backbone": {"model": "mixer_s16_224"}, "rescale": {"where": {"last": 1}}}
+    if field == "expert_mlp_ratio":
+        document["moe"] = [{"where": {"last": 1}, "experts": 4, field: 1e30}]
+    else:
+        document["rescale"][field.split(".")[1]] = 1e30
+    assert problem_of(document).message == "input should be less than or equal to 64"
+
+
+def test_stats_of_a_huge_expert_count_is_one_located_line(tmp_path):
+    """It was a C++ frame dump from torch.empty (exit 1)."""
+    path = tmp_path / "huge.yaml"
+    path.write_text(TINY_SPEC_YAML.replace("experts: 4", "experts: 1000000000000000000000000000000"), encoding="utf-8")
+    result = CliRunner().invoke(app, ["stats", str(path)])
+    assert (result.exit_code, result.stdout) == (2, "")
+    assert result.stderr == f"moespec: error: {path}:6:5: moe.0.experts: input should be between 0 and 65536\n"
