@@ -20,7 +20,7 @@ from . import create_model, load_spec, plan, save, stats, upcycle_to_checkpoint
 from .apps.inspect_report import check_report_folder, write_report
 from .apps.inspection import find_images, inspect_routing, load_model
 from .apps.plots import check_figure_path, require_matplotlib
-from .apps.sweep import parse_setting, sweep
+from .apps.sweep import MAX_POINTS, check_grid_size, parse_setting, sweep
 from .apps.sweep import plot as draw
 from .counting import FORMATS, per_rank, plan_table, rank_summary, render
 from .errors import MoespecError, SpecError
@@ -260,6 +260,8 @@ def sweep_command(
     input_size: Annotated[Optional[Tuple[int, int, int]], typer.Option(
         "--input-size", metavar="C H W",
         help="Override the spec's input size; fixed-size models (ViT, Mixer) are built at it (img_size).")] = None,
+    max_points: Annotated[int, typer.Option(
+        "--max-points", min=1, metavar="N", help="Count grids of up to N points (more are refused).")] = MAX_POINTS,
 ) -> None:
     """Stats of every combination of --set values (their cartesian product), with the swept values as columns.
 
@@ -268,11 +270,12 @@ def sweep_command(
 
     def body() -> int:
         parsed = [parse_setting(text) for text in settings]
+        check_grid_size(parsed, max_points)
         if plot is not None:
             require_matplotlib("moespec sweep --plot")
             check_figure_path(plot, force)
         with progress("sweeping") as advance:
-            points = sweep(spec, parsed, input_size=input_size, on_point=advance)
+            points = sweep(spec, parsed, input_size=input_size, on_point=advance, max_points=max_points)
         valid = [p for p in points if p.stats is not None]
         for point in points:
             for problem in point.problems:

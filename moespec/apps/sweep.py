@@ -8,12 +8,14 @@ inside brackets, braces or quotes, and each is read as a YAML value, so flow map
 `moe.0.where={every: 2},{last: 2}` gives two values, `moe.0.where=[{every: 2}, {last: 1}]` one (a union).
 Paths are checked against the base document and the spec's keys before any work; each point is then
 validated on its own, and a point that does not validate is reported with its settings, not dropped.
+A grid of more than `max_points` points (default `MAX_POINTS`) is refused before any work.
 """
 
 from __future__ import annotations
 
 import copy
 import itertools
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -24,7 +26,12 @@ from ..counting import SpecStats, stats
 from ..counting.report import show
 from ..errors import MoespecError, SpecError, did_you_mean
 from ..spec import allowed_keys, load_spec, read_document
+from ..spec.yaml_limits import BoundedLoader
 from .plots import save_figure, sweep_figure
+
+MAX_POINTS = 256
+"""Grid points a sweep counts unless told more (`--max-points`): ten values in each of five `--set`s are 100,000
+points, hours of counting, better asked for on purpose."""
 
 
 @dataclass(frozen=True)
@@ -83,7 +90,7 @@ def parse_setting(text: str) -> Setting:
         if not value:
             raise MoespecError(f"--set {text!r}: an empty value; values are separated by commas")
         try:
-            parsed.append(yaml.safe_load(value))
+            parsed.append(yaml.load(value, Loader=BoundedLoader))  # noqa: S506 (a safe loader, with limits)
         except yaml.YAMLError as err:
             reason = str(err).splitlines()[0]
             raise MoespecError(f"--set {text!r}: {value!r} is not a YAML value ({reason})") from None
@@ -134,6 +141,17 @@ def _where(walked: list[Any]) -> str:
     return ".".join(map(str, walked)) or "the spec"
 
 
+def check_grid_size(settings: Sequence[Setting], max_points: int) -> int:
+    """The number of points of the grid (without building it); more than `max_points` is a MoespecError that
+    says how to ask for them."""
+    count = math.prod(len(setting.values) for setting in settings)
+    if count > max_points:
+        sizes = " x ".join(str(len(setting.values)) for setting in settings)
+        raise MoespecError(f"the grid has {count:,} points ({sizes} values), more than --max-points {max_points}; "
+                           f"pass --max-points {count} to count them all, or give fewer values")
+    return count
+
+
 def grid(settings: Sequence[Setting]) -> list[dict[str, Any]]:
     """The cartesian product of the settings' values, the first setting varying slowest."""
     return [dict(zip([s.path for s in settings], values, strict=True))
@@ -141,8 +159,10 @@ def grid(settings: Sequence[Setting]) -> list[dict[str, Any]]:
 
 
 def sweep(spec_file: str | Path, settings: Sequence[Setting], *, input_size: tuple[int, int, int] | None = None,
-          on_point: Callable[[str, int, int], None] | None = None) -> list[SweepPoint]:
-    """Stats of every point of the grid over `spec_file`. `on_point(label, done, total)` reports progress."""
+          on_point: Callable[[str, int, int], None] | None = None, max_points: int = MAX_POINTS) -> list[SweepPoint]:
+    """Stats of every point of the grid over `spec_file`, at most `max_points` of them (checked first).
+    `on_point(label, done, total)` reports progress."""
+    check_grid_size(settings, max_points)
     document = base_document(spec_file)
     check_settings(document, settings)
     points = grid(settings)

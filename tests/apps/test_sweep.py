@@ -11,7 +11,17 @@ import sys
 import pytest
 from typer.testing import CliRunner
 
-from moespec.apps.sweep import Setting, assign, check_settings, grid, pareto_front, parse_setting, split_values, sweep
+from moespec.apps.sweep import (
+    Setting,
+    assign,
+    check_grid_size,
+    check_settings,
+    grid,
+    pareto_front,
+    parse_setting,
+    split_values,
+    sweep,
+)
 from moespec.cli import app
 from moespec.counting import SpecStats, render
 from moespec.errors import MoespecError
@@ -176,3 +186,38 @@ def test_a_single_selector_path_knows_the_selector_keys():
     check_settings(document, [parse_setting("moe.0.where.every=1,2")])
     with pytest.raises(MoespecError, match="unknown key 'evry' in moe.0.where; allowed: every, last, first"):
         check_settings(document, [parse_setting("moe.0.where.evry=1")])
+
+
+def test_a_grid_over_the_limit_is_refused_before_any_work(tmp_path):
+    settings = [parse_setting(f"moe.0.experts={','.join(map(str, range(1, 18)))}"),
+                parse_setting(f"moe.0.top_k={','.join(map(str, range(1, 18)))}")]
+    message = ("the grid has 289 points (17 x 17 values), more than --max-points 256; pass --max-points 289 to count "
+               "them all, or give fewer values")
+    with pytest.raises(MoespecError) as error:  # before the spec file is even read
+        sweep(tmp_path / "absent.yaml", settings, on_point=lambda *args: pytest.fail("a point was counted"))
+    assert str(error.value) == message
+    result = CliRunner().invoke(app, ["sweep", str(tmp_path / "absent.yaml"), "--set", settings[0].path + "=" +
+                                      ",".join(map(str, settings[0].values)), "--set", "moe.0.top_k=" +
+                                      ",".join(map(str, settings[1].values))])
+    assert (result.exit_code, result.stdout, result.stderr) == (2, "", f"moespec: error: {message}\n")
+
+
+def test_max_points_raises_the_limit(tiny_spec):
+    settings = [parse_setting(f"moe.0.experts={','.join(map(str, range(1, 18)))}")] * 2
+    assert check_grid_size(settings, 289) == 289
+    refused = CliRunner().invoke(app, ["sweep", str(tiny_spec), "--set", "moe.0.experts=2,4", "--max-points", "1"])
+    assert refused.exit_code == 2 and "the grid has 2 points (2 values), more than --max-points 1" in refused.stderr
+
+
+@pytest.mark.slow
+def test_max_points_lets_the_sweep_run(tiny_spec):
+    allowed = CliRunner().invoke(app, ["sweep", str(tiny_spec), "--set", "moe.0.experts=2,4", "-f", "csv",
+                                       "--max-points", "2"])
+    assert allowed.exit_code == 0, allowed.output
+    assert [line.split(",")[1] for line in allowed.stdout.splitlines()[1:]] == ["2", "4"]
+
+
+def test_set_values_are_read_within_the_yaml_limits():
+    """Nested brackets (1,000 were a RecursionError in PyYAML's composer) are refused past 32 levels."""
+    with pytest.raises(MoespecError, match="is not a YAML value .*nests the spec deeper than 32 levels"):
+        parse_setting("moe.0.where=" + "[" * 100)
