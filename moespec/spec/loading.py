@@ -30,12 +30,12 @@ def read_spec_text(path: Path) -> str:
     """The text of a spec file. A folder, a missing, unreadable or non-UTF-8 file, or one over `MAX_SPEC_BYTES`
     (refused before it is read) is a `SpecError` at the file (a bad byte at its line and column)."""
     file = str(path)
-    if not path.is_file():  # not opened: a fifo would block, a device never end
-        message = ("no such spec file (it is a folder)" if path.is_dir()
-                   else "not a regular file (a fifo, socket or device); name a spec file" if path.exists()
-                   else "no such spec file (a broken symbolic link)" if path.is_symlink() else "no such spec file")
-        raise SpecError(Problem(message, file=file))
     try:
+        if not path.is_file():  # not opened: a fifo would block, a device never end
+            message = ("no such spec file (it is a folder)" if path.is_dir()
+                       else "not a regular file (a fifo, socket or device); name a spec file" if path.exists()
+                       else "no such spec file (a broken symbolic link)" if path.is_symlink() else "no such spec file")
+            raise SpecError(Problem(message, file=file))
         with path.open("rb") as stream:
             if os.fstat(stream.fileno()).st_size > MAX_SPEC_BYTES:
                 raise SpecError(Problem(f"the spec file is larger than {MAX_SPEC_BYTES:,} bytes; a spec is a few kB, "

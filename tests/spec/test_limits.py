@@ -122,6 +122,12 @@ def test_a_file_without_read_permission_is_a_spec_error(tmp_path):
     path.write_text(TINY_SPEC_YAML, encoding="utf-8")
     path.chmod(0)
     assert problem_of(path).message == "cannot read the spec file: Permission denied"
+    path.chmod(0o600)
+    tmp_path.chmod(0)  # not even its kind can be told
+    try:
+        assert problem_of(path).message == "cannot read the spec file: Permission denied"
+    finally:
+        tmp_path.chmod(0o700)
 
 
 def test_a_folder_batch_reports_every_unreadable_spec_and_validates_the_others(tmp_path):
