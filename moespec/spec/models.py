@@ -21,6 +21,7 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 import yaml
 from pydantic import (
+    AfterValidator,
     BeforeValidator,
     Discriminator,
     Field,
@@ -57,12 +58,32 @@ MAX_IMAGE_SIDE = 16_384
 """Input height and width in pixels: 16 x the 1,024 px of SAM's ViT (Kirillov et al. 2023), the largest in timm."""
 
 
+INT64 = (-(2**63), 2**63 - 1)
+"""The integers torch takes (C++ int64_t): timm passes `backbone.kwargs` on to torch, where a larger one is an
+overflow with a C++ frame dump. Sizes that fit but are too large to build are the memory guard's to refuse."""
+
+
+def _fits_int64(value: Any) -> Any:
+    """A `backbone.kwargs` value whose integers (also inside lists and mappings: `img_size: [h, w]`) fit int64."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, (list, tuple)):
+            stack += item
+        elif isinstance(item, dict):
+            stack += item.values()
+        elif isinstance(item, int) and not INT64[0] <= item <= INT64[1]:
+            raise ValueError(f"{item} does not fit torch's 64-bit integers; timm's arguments are between -2**63 "
+                             f"and 2**63 - 1")
+    return value
+
+
 class Backbone(SpecModel):
     """The dense timm model the surgery starts from."""
 
     model: Annotated[str, Field(min_length=1)]
     """Any timm model name, e.g. `vit_small_patch16_224`."""
-    kwargs: dict[str, Any] = {}
+    kwargs: dict[str, Annotated[Any, AfterValidator(_fits_int64)]] = {}
     """Forwarded to `timm.create_model` (img_size, depth, embed_dim, num_classes, ...)."""
     checkpoint: Optional[str] = None
     """Local dense checkpoint (.safetensors/.pth/.bin) to upcycle from; relative paths are relative to the

@@ -72,3 +72,12 @@ def test_stats_of_a_huge_expert_count_is_one_located_line(tmp_path):
     result = CliRunner().invoke(app, ["stats", str(path)])
     assert (result.exit_code, result.stdout) == (2, "")
     assert result.stderr == f"moespec: error: {path}:6:5: moe.0.experts: input should be between 0 and 65536\n"
+
+
+def test_backbone_kwargs_integers_fit_int64():
+    """timm passed them on to torch, which failed with a C++ frame dump as the message."""
+    kwargs = {"img_size": [64, 2**63 - 1], "nested": {"low": -(2**63)}}
+    assert load_spec({"backbone": {"model": "vit_small_patch16_224", "kwargs": kwargs}}).backbone.kwargs == kwargs
+    for name, value in [("embed_dim", 10**30), ("img_size", [64, 2**63]), ("nested", {"low": -(2**63) - 1})]:
+        problem = problem_of({"backbone": {"model": "vit_small_patch16_224", "kwargs": {name: value}}})
+        assert problem.path == f"backbone.kwargs.{name}" and "does not fit torch's 64-bit integers" in problem.message
