@@ -104,8 +104,13 @@ class Backbone(SpecModel):
 
 
 def router_kind_of(value: Any) -> str | None:
-    """The `kind` of a router mapping (default: top-k) or of a router spec model."""
-    return value.get("kind", DEFAULT_ROUTER_KIND) if isinstance(value, dict) else getattr(value, "kind", None)
+    """The `kind` of a router mapping (default: top-k) or of a router spec model. A kind that is not a string
+    (`kind: {every: 3}`, `kind: 3`) comes back as its text, an unknown kind: a mapping or list cannot be
+    looked up (unhashable) and was a TypeError out of validation."""
+    if not isinstance(value, dict):
+        return getattr(value, "kind", None)
+    kind = value.get("kind", DEFAULT_ROUTER_KIND)
+    return kind if kind is None or isinstance(kind, str) else str(kind)
 
 
 def router_type() -> Any:
