@@ -15,6 +15,7 @@ from argparse import Namespace
 
 import pytest
 import torch
+from safetensors.torch import save_file
 from typer.testing import CliRunner
 
 import moespec
@@ -201,3 +202,20 @@ def test_stats_refuses_a_dense_backbone_too_large_to_build_before_allocating(tmp
     assert "Biggest: blocks.*.mlp.fc1.weight" in errors[0]
     assert [record["spec"] for record in json.loads(result.stdout)] == [str(tiny)]
 
+
+def test_nan_or_inf_in_timms_pretrained_weights_is_refused(tmp_path, dense_checkpoint):
+    """timm's pretrained loader, pointed at a local file (no network), is a source of dense weights like any
+    other: a NaN or Inf in it is refused before upcycling."""
+    path, dense = dense_checkpoint(TINY_VIT)
+    backbone = {**TINY_VIT, "pretrained": True,
+                "kwargs": {**TINY_VIT["kwargs"], "pretrained_cfg_overlay": {"file": str(path), "num_classes": 10}}}
+    spec = make_spec(backbone, SPEC)
+    loaded, source = moespec.weights.dense_model(spec)
+    assert source == "timm pretrained vit_small_patch16_224"
+    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in dense.state_dict().items())
+    state = dense.state_dict()
+    state["blocks.1.attn.qkv.weight"][0, 0] = float("inf")
+    save_file({k: v.contiguous() for k, v in state.items()}, str(path))
+    with pytest.raises(CheckpointError, match=rf"backbone.pretrained: timm's weights for vit_small_patch16_224 "
+                                              rf"\({path}\): blocks.1.attn.qkv.weight hold NaN or Inf"):
+        moespec.upcycle(spec)
