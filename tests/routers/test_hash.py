@@ -100,3 +100,12 @@ def test_inspect_counts_every_token_once(hash_kind):
         mass, dropped = hash_kind.HASH.inspect.tally(layer)
         assert mass.shape == (2, 4) and dropped == 0.0
         assert mass.sum(dim=1).tolist() == [PATCHES, PATCHES]  # a share row sums to 1
+
+
+@pytest.mark.parametrize("images, tokens", [(0, 5), (3, 1)], ids=["empty_batch", "one_token"])
+def test_an_empty_batch_and_one_token_route_as_the_dense_ffn_runs(hash_kind, images, tokens):
+    layer = moespec.layers.MoE(hash_kind.HashRouter(experts=3), moespec.layers.Experts(3, 4, 6, 4, act=torch.nn.GELU()))
+    x = torch.randn(images, tokens, 4, requires_grad=True)
+    y = layer(x)
+    y.sum().backward()
+    assert y.shape == x.shape and x.grad.shape == x.shape
