@@ -15,14 +15,17 @@ from argparse import Namespace
 
 import pytest
 import torch
+from safetensors.torch import save_file
+from typer.testing import CliRunner
 
 import moespec
+from moespec.cli import app
 from moespec.errors import CheckpointError
 from moespec.io import atomic_output
 from moespec.layers import MOE_LAYERS
 from moespec.weights import SPEC_HASH_KEY, SPEC_KEY, read_state_dict
 
-from .conftest import TINY_INPUT, TINY_VIT, make_spec
+from .conftest import TINY_INPUT, TINY_SPEC_YAML, TINY_VIT, make_spec, write
 
 SPEC = [{"where": {"every": 1}, "experts": 4, "top_k": 2, "router": {"normalize": True}}]
 
@@ -183,3 +186,36 @@ def test_outputs_get_the_umasks_permissions_not_the_temp_files(tmp_path):
     finally:
         os.umask(umask)
     assert (tmp_path / "out.safetensors").stat().st_mode & 0o777 == 0o644
+
+
+def test_stats_refuses_a_dense_backbone_too_large_to_build_before_allocating(tmp_path):
+    """stats builds the dense backbone on the CPU: 200000-wide blocks (terabytes) are refused, counted on the
+    meta device; the other specs still print."""
+    wide = TINY_SPEC_YAML.replace("num_classes: 10", "num_classes: 10, embed_dim: 200000, num_heads: 1")
+    huge = write(tmp_path, wide, "huge.yaml")
+    tiny = write(tmp_path, TINY_SPEC_YAML, "tiny.yaml")
+    result = CliRunner().invoke(app, ["stats", str(huge), str(tiny), "--format", "json"])
+    assert result.exit_code == 2
+    errors = [line for line in result.stderr.splitlines() if line]
+    assert len(errors) == 1 and errors[0].startswith(f"moespec: error: {huge}:2:")
+    assert "backbone: its dense backbone vit_small_patch16_224 needs" in errors[0]
+    assert "Biggest: blocks.*.mlp.fc1.weight" in errors[0]
+    assert [record["spec"] for record in json.loads(result.stdout)] == [str(tiny)]
+
+
+def test_nan_or_inf_in_timms_pretrained_weights_is_refused(tmp_path, dense_checkpoint):
+    """timm's pretrained loader, pointed at a local file (no network), is a source of dense weights like any
+    other: a NaN or Inf in it is refused before upcycling."""
+    path, dense = dense_checkpoint(TINY_VIT)
+    backbone = {**TINY_VIT, "pretrained": True,
+                "kwargs": {**TINY_VIT["kwargs"], "pretrained_cfg_overlay": {"file": str(path), "num_classes": 10}}}
+    spec = make_spec(backbone, SPEC)
+    loaded, source = moespec.weights.dense_model(spec)
+    assert source == "timm pretrained vit_small_patch16_224"
+    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in dense.state_dict().items())
+    state = dense.state_dict()
+    state["blocks.1.attn.qkv.weight"][0, 0] = float("inf")
+    save_file({k: v.contiguous() for k, v in state.items()}, str(path))
+    with pytest.raises(CheckpointError, match=rf"backbone.pretrained: timm's weights for vit_small_patch16_224 "
+                                              rf"\({path}\): blocks.1.attn.qkv.weight hold NaN or Inf"):
+        moespec.upcycle(spec)

@@ -19,6 +19,7 @@ counts for each image:
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -92,8 +93,22 @@ def load_model(source: str | Path, *, seed: int = 0, spec: str | Path | None = N
 
 def data_transform(model: nn.Module):
     """timm's eval transform for `model` (its pretrained_cfg: resize, crop, mean, std) at the spec's input
-    size; returns (data config, transform)."""
-    config = resolve_data_config({"input_size": tuple(model.moespec_plan.input_size)}, model=model)
+    size; returns (data config, transform).
+
+    Images are read as timm's data pipeline reads them: RGB for a 3-channel model, grayscale ("L") for a
+    1-channel one (`in_chans: 1`), normalized by the mean of the pretrained_cfg's per-channel mean and std.
+    Other channel counts have no image mode to read into and are refused."""
+    input_size = tuple(model.moespec_plan.input_size)
+    args: dict[str, Any] = {"input_size": input_size}
+    if input_size[0] == 1:
+        base = resolve_data_config(args, model=model)
+        args.update(mean=(sum(base["mean"]) / len(base["mean"]),), std=(sum(base["std"]) / len(base["std"]),))
+    elif input_size[0] != 3:
+        source = getattr(getattr(model, "moespec_spec", None), "source", None) or model.moespec_plan.name
+        raise MoespecError(f"{source}: the model takes {input_size[0]}-channel images (input_size "
+                           f"{list(input_size)}); inspect reads image files as RGB (3 channels) or grayscale "
+                           f"(1 channel), as timm's data pipeline does")
+    config = resolve_data_config(args, model=model)
     return config, create_transform(**config)
 
 
@@ -238,8 +253,14 @@ def _read(batch, transform, channels: int, skipped: list[str]) -> tuple[list[tor
     tensors, labels = [], []
     for path, label in batch:
         try:
-            with Image.open(path) as image:
-                tensors.append(transform(image.convert("RGB" if channels == 3 else "L")))
+            with warnings.catch_warnings():  # over Pillow's MAX_IMAGE_PIXELS: a warning, twice over it an error
+                warnings.simplefilter("error", Image.DecompressionBombWarning)
+                with Image.open(path) as image:
+                    tensors.append(transform(image.convert("RGB" if channels == 3 else "L")))
+        except (Image.DecompressionBombError, Image.DecompressionBombWarning) as error:
+            raise MoespecError(f"{path}: {str(error).rstrip('.')}; refusing to decode it (inspect resizes every "
+                               f"image to the model's input size: shrink this one or take it out of the folder)"
+                               ) from None
         except (UnidentifiedImageError, OSError, ValueError) as error:
             skipped.append(f"{path}: {str(error).splitlines()[0] if str(error) else type(error).__name__}")
             continue

@@ -16,30 +16,38 @@ from torch import nn
 
 from ..errors import Problem, SpecError, did_you_mean
 from ..spec import Backbone, Spec, located
+from .placement import refuse_if_too_large, resolve_device
 
 
-def create_backbone(spec: Spec, *, device: str | torch.device = "cpu", pretrained: bool = False) -> nn.Module:
-    """`timm.create_model` for the spec's backbone; `device="meta"` builds it without allocating weights.
+def create_backbone(spec: Spec, *, device: str | torch.device = "cpu", pretrained: bool = False,
+                    check_memory: bool = True) -> nn.Module:
+    """`timm.create_model` for the spec's backbone, built on `device` (every parameter and buffer is created
+    there); `device="meta"` builds it without allocating weights.
 
+    With `check_memory`, a backbone for a real device is first built on the meta device and counted: one that
+    would not fit in the device's memory is refused before anything is allocated (`placement`).
     Errors name the spec file and line of `backbone.model` / `backbone.kwargs`.
     """
+    device = resolve_device(device)
     try:
+        if check_memory and device.type != "meta":
+            refuse_if_too_large(_create(spec.backbone, torch.device("meta"), False), device,
+                                 f"its dense backbone {spec.backbone.model}", "backbone")
         return _create(spec.backbone, device, pretrained)
     except SpecError as error:
         raise located(spec, error) from None
 
 
-def _create(backbone: Backbone, device: str | torch.device, pretrained: bool) -> nn.Module:
+def _create(backbone: Backbone, device: torch.device, pretrained: bool) -> nn.Module:
     if not timm.is_model(backbone.model):
         matches = timm.list_models(f"*{backbone.model.split('_')[0]}*")[:8] if backbone.model else []
         hint = did_you_mean(backbone.model, timm.list_models()) or (
             f"; timm models like it: {', '.join(matches)}" if matches else "; timm.list_models() lists them")
         raise SpecError(Problem(f"unknown timm model {backbone.model!r}{hint}", path="backbone.model"))
-    context = torch.device(device) if str(device) == "meta" else contextlib.nullcontext()
     kwargs, overrides = dict(backbone.kwargs), {}
     while True:
         try:
-            with context, _override_builder_kwargs(backbone.model, overrides):
+            with device, _override_builder_kwargs(backbone.model, overrides):
                 return timm.create_model(backbone.model, pretrained=pretrained, **kwargs).eval()
         except TypeError as err:
             fixed = re.search(r"got multiple values for keyword argument '(\w+)'", str(err))

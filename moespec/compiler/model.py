@@ -15,17 +15,16 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import os
 import types
 
 import torch
 from torch import fx, nn
 
-from ..backbones import create_backbone
-from ..errors import MoespecError
+from ..backbones import create_backbone, refuse_if_too_large, resolve_device
+from ..errors import SpecError
 from ..layers import MOE_LAYERS, Experts
 from ..planning import Plan, plan_for
-from ..spec import Spec
+from ..spec import Spec, located
 from .passes import replace_ffns, rescale_blocks
 from .tracer import trace
 
@@ -70,20 +69,28 @@ def _rewrite(model: nn.Module, plan: Plan, moe_device) -> tuple[fx.GraphModule, 
 def create_model(spec: Spec, *, device: str | torch.device = "cpu", seed: int | None = None,
                  moe_device: str | torch.device | None = None) -> nn.Module:
     """The MoE model of `spec`, randomly initialized (timm's init for the backbone), in training mode like a
-    fresh timm model.
+    fresh timm model, with every parameter and buffer on `device` ("cpu", "cuda", "cuda:N", "meta", ...).
 
     `seed` makes the initialization reproducible without touching the caller's random state (the same weights
     as `torch.manual_seed(seed)` before the call). `device="meta"` builds it without allocating weights (for
     counting parameters); `moe_device="meta"` builds only the MoE layers so (to be filled from a file).
+
+    Before allocating anything, the model is built on the meta device and counted: one whose parameters and
+    buffers would not fit in the device's memory is refused (`check_fits_in_memory`).
     """
-    seeded = torch.random.fork_rng(devices=[]) if seed is not None else contextlib.nullcontext()
+    device = resolve_device(device)
+    moe_device = resolve_device(moe_device) if moe_device is not None else None
+    if device.type != "meta" and moe_device is None:
+        plan = check_fits_in_memory(spec, device)
+    seeded = contextlib.nullcontext()
+    if seed is not None:
+        seeded = torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda" else [])
     with seeded:
         if seed is not None:
             torch.manual_seed(seed)
-        backbone = create_backbone(spec, device=device)
-        plan = plan_for(spec, backbone)
-        if "meta" not in (str(device), str(moe_device)):
-            check_fits_in_memory(backbone, plan)
+        backbone = create_backbone(spec, device=device, check_memory=moe_device is not None)
+        if device.type == "meta" or moe_device is not None:
+            plan = plan_for(spec, backbone)
         model = compile_model(backbone, plan, moe_device=moe_device, inplace=True)
     model.moespec_spec = spec
     return model.train()
@@ -123,21 +130,19 @@ def _shallow(module: nn.Module) -> nn.Module:
     return twin
 
 
-def check_fits_in_memory(backbone: nn.Module, plan: Plan, share: float = 0.8) -> None:
-    """Refuse to build experts whose weights need more than `share` of this machine's memory (a clear error
-    instead of the out-of-memory killer). `validate`, `plan` and `stats` never build experts."""
-    modules = dict(backbone.named_modules())
-    expert_bytes = 0
-    for layer in plan.layers:
-        ffn = modules[layer.path]
-        per_unit = sum(p.numel() * p.element_size() for p in ffn.parameters()) / layer.dense_hidden
-        expert_bytes += (layer.experts + layer.shared_experts) * layer.expert_hidden * per_unit
-    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    if expert_bytes > share * memory:
-        raise MoespecError(
-            f"{plan.name}: its experts need about {expert_bytes / 2**30:.0f} GiB of weights, more than this "
-            f"machine's {memory / 2**30:.0f} GiB allow; too large to instantiate here. validate, plan and stats "
-            f"work without building the experts")
+def check_fits_in_memory(spec: Spec, device: str | torch.device = "cpu") -> Plan:
+    """Refuse to build the model of `spec` on `device` when its parameters and buffers (the dense backbone,
+    experts, routers and gates, Soft MoE slots, shared experts, rebuilt blocks) need more than a share of the
+    device's memory: a clear error instead of the out-of-memory killer. Counted on a build on the meta device,
+    where nothing is allocated. Returns the plan (the same for a build on any device)."""
+    backbone = create_backbone(spec, device="meta")
+    plan = plan_for(spec, backbone)
+    model = compile_model(backbone, plan, moe_device="meta", inplace=True)
+    try:
+        refuse_if_too_large(model, resolve_device(device), "the model")
+    except SpecError as error:
+        raise located(spec, error) from None
+    return plan
 
 
 def moe_layers(model: nn.Module) -> dict[str, nn.Module]:

@@ -96,8 +96,9 @@ class ExpertParallel(Experts):
         rows = AllToAll.apply(x.reshape(experts * slots, dim), splits, splits, self.group)
         rows = rows.view(world, local, slots, dim).transpose(0, 1).reshape(local, world * slots, dim)
         out = self._stacked(rows)
-        out = out.view(local, world, slots, -1).transpose(0, 1).reshape(experts * slots, -1)
-        return AllToAll.apply(out, splits, splits, self.group).view(experts, slots, -1)
+        width = out.shape[-1]  # named, not -1: a batch of 0 images has 0 slots per expert
+        out = out.view(local, world, slots, width).transpose(0, 1).reshape(experts * slots, width)
+        return AllToAll.apply(out, splits, splits, self.group).view(experts, slots, width)
 
     def forward_all(self, x: torch.Tensor, groups: torch.Tensor | None = None) -> torch.Tensor:
         raise NotImplementedError("shared experts are replicated, never sharded")

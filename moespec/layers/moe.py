@@ -24,7 +24,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .experts import Experts
-from .routing import AUX_LOSSES, Routing
+from .routing import AUX_LOSSES, Routing, items_per_image
 
 
 class MoE(nn.Module):
@@ -70,7 +70,7 @@ class MoE(nn.Module):
         images = x.shape[0]
         groups = None  # image index per item, only for experts that normalize per image
         if self.experts.needs_groups or (self.shared is not None and self.shared.needs_groups):
-            groups = torch.arange(images, device=x.device).repeat_interleave(items.shape[0] // images)
+            groups = torch.arange(images, device=x.device).repeat_interleave(items_per_image(items.shape[0], images))
         routing = self.router(items, images)
         routing.group = getattr(self.experts, "group", None)  # expert parallel: global aux losses and statistics
         exporting = torch.compiler.is_exporting()

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .routing import Groups, Routing, at_least_fp32, group_pairs, load_counts, smooth_load
+from .routing import Groups, Routing, at_least_fp32, group_pairs, items_per_image, load_counts, smooth_load
 
 
 class LinearGate(nn.Module):
@@ -156,7 +156,7 @@ class ImageRouter(nn.Module):
         return self.top_k * items
 
     def forward(self, x: torch.Tensor, images: int = 1) -> Routing:
-        per_image = x.reshape(images, -1, x.shape[-1])
+        per_image = x.reshape(images, items_per_image(x.shape[0], images), x.shape[-1])
         vectors = per_image[:, 0] if self.pool == "cls" else per_image.mean(dim=1)
         logits = at_least_fp32(self.gate(vectors))
         probs = logits.softmax(dim=-1)

@@ -65,12 +65,11 @@ class Groups:
     @classmethod
     def of(cls, items: int, images: int, size: int | None, training: bool) -> "Groups":
         """`size` images per group (None: the whole batch is one group)."""
-        size = images if size is None else min(size, images)
+        size = max(1, images if size is None else min(size, images))  # an empty batch is one empty group
         if training and images % size:
             raise ValueError(f"a training batch of {images} images is not a multiple of the routing group of {size} "
                              f"images (router.group); use a batch size divisible by {size}, or group: image")
-        per_image = items // images
-        return cls(count=-(-images // size), items=size * per_image, total=items)
+        return cls(count=max(1, -(-images // size)), items=size * items_per_image(items, images), total=items)
 
     def sizes(self) -> list[int]:
         """Items in each group (the last may be shorter)."""
@@ -89,6 +88,12 @@ class Groups:
         order = stable_argsort(key, descending=descending)
         order = order[stable_argsort(group[order])]  # by group, then by key
         return torch.empty_like(position).index_copy_(0, order, position)
+
+
+def items_per_image(items: int, images: int) -> int:
+    """Items of each image in a batch of `items` items from `images` images; 1 for an empty batch (0 images),
+    where every per-image shape [0, n, C] holds nothing and n = 1 keeps indexing an image's first item valid."""
+    return items // images if images else 1
 
 
 def at_least_fp32(t: torch.Tensor) -> torch.Tensor:
@@ -215,23 +220,24 @@ def importance_load_loss(routing: Routing) -> torch.Tensor:
 def switch_loss(routing: Routing) -> torch.Tensor:
     """Fedus et al. 2021: E * sum_i f_i * P_i, f_i = share of units whose top-1 is i, P_i = mean prob of i."""
     experts, probs = routing.num_experts, routing.probs
-    if routing.group is None:
-        top1 = F.one_hot(routing.top1, experts).float()
-        return experts * (top1.mean(dim=0) * probs.mean(dim=0)).sum()
+    if routing.group is None:  # sums over max(units, 1): 0, not NaN, for an empty batch
+        top1, units = F.one_hot(routing.top1, experts).float(), max(probs.shape[0], 1)
+        return experts * (top1.sum(dim=0) / units * probs.sum(dim=0) / units).sum()
     top1 = torch.zeros(experts, device=probs.device).index_add_(0, routing.top1, torch.ones_like(routing.top1,
                                                                                                dtype=torch.float))
     top1, importance, units = routing.total(top1, probs.sum(dim=0), probs.new_tensor(probs.shape[0]))
+    units = units.clamp(min=1)
     return experts * (top1 / units * importance / units).sum()
 
 
 @register_aux_loss("z_loss")
 def z_loss(routing: Routing) -> torch.Tensor:
     """ST-MoE router z-loss (Zoph et al. 2022): mean over units of logsumexp(logits)^2."""
-    if routing.group is None:
-        return torch.logsumexp(routing.logits, dim=-1).square().mean()
     squares = torch.logsumexp(routing.logits, dim=-1).square()
+    if routing.group is None:
+        return squares.sum() / max(squares.numel(), 1)  # 0, not NaN, for an empty batch
     total, units = routing.total(squares.sum(), squares.new_tensor(squares.numel()))
-    return total / units
+    return total / units.clamp(min=1)
 
 
 def _cv_squared(x: torch.Tensor) -> torch.Tensor:

@@ -13,6 +13,8 @@ No token is dropped, there is no load-balancing loss, and the cost follows the n
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -63,7 +65,7 @@ class SoftMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         channels_last = x if self.channels_dim in (-1, x.dim() - 1) else x.movedim(self.channels_dim, -1)
         images, dim = x.shape[0], channels_last.shape[-1]
-        tokens = channels_last.reshape(images, -1, dim)  # [B, N, C]
+        tokens = channels_last.reshape(images, math.prod(channels_last.shape[1:-1]), dim)  # [B, N, C], B may be 0
         dispatch, combine = self.weights(tokens)
         slot_inputs = torch.einsum("bns,bnc->bsc", dispatch, tokens)  # [B, S, C]
         experts, p = self.num_experts, self.slots_per_expert
@@ -74,10 +76,11 @@ class SoftMoE(nn.Module):
             out = self.experts(rows.reshape(-1, dim), counts, groups)
         else:
             out = self.experts.batched(rows)  # every expert has the same number of slots: no padding
-        slot_outputs = out.reshape(experts, images, p, -1).transpose(0, 1).reshape(images, self.slots, -1)
+        width = out.shape[-1]
+        slot_outputs = out.reshape(experts, images, p, width).transpose(0, 1).reshape(images, self.slots, width)
         y = torch.einsum("bns,bsc->bnc", combine, slot_outputs)
         if self.shared is not None:
-            y = y + self.shared.forward_all(tokens.reshape(-1, dim)).reshape(images, tokens.shape[1], -1)
+            y = y + self.shared.forward_all(tokens.reshape(-1, dim)).reshape(images, tokens.shape[1], y.shape[-1])
         if not torch.compiler.is_exporting():  # an exported graph is a pure function: no routing state
             self.last_dispatch, self.last_combine = dispatch, combine
             self.last_items, self.last_images = images * tokens.shape[1], images

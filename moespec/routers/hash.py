@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..layers import Routing
-from ..layers.routing import stable_argsort
+from ..layers.routing import items_per_image, stable_argsort
 from ..spec.fields import IntRange
 from ..spec.registry import Inspection, RouterKind, RouterSpec, register_router_kind
 from .gates import routed_pairs, sparse_moe
@@ -62,7 +62,7 @@ class HashRouter(nn.Module):
 
     def forward(self, x: torch.Tensor, images: int = 1) -> Routing:
         """x: [T, C] items, image after image -> a Routing with one (item, expert) pair per item."""
-        experts = self.table(x.shape[0] // images, x.device).repeat(images)  # [T]
+        experts = self.table(items_per_image(x.shape[0], images), x.device).repeat(images)  # [T]
         item = stable_argsort(experts)  # pairs grouped by expert, in item order within each
         counts = torch.zeros(self.num_experts, dtype=torch.long, device=x.device).index_add_(
             0, experts, torch.ones_like(experts))

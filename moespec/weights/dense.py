@@ -148,11 +148,17 @@ def dense_model(spec: Spec, checkpoint: str | Path | None = None, *,
             state, notes = fit_to_model(read_state_dict(checkpoint, trust_pickle=trust_pickle), dense)
             check_state_dict(state, dense, f"checkpoint {checkpoint}")
             dense.load_state_dict(state)
-        refuse_non_finite(dense.state_dict(), str(checkpoint))
-        return dense, "; ".join([str(checkpoint), *notes])
-    if spec.backbone.pretrained:
-        return create_backbone(spec, pretrained=True), f"timm pretrained {spec.backbone.model}"
-    return create_backbone(spec), f"fresh {spec.backbone.model} (random init)"
+        source, origin = "; ".join([str(checkpoint), *notes]), str(checkpoint)
+    elif spec.backbone.pretrained:
+        dense, source = create_backbone(spec, pretrained=True), f"timm pretrained {spec.backbone.model}"
+        cfg = getattr(dense, "pretrained_cfg", None) or {}
+        where = cfg.get("file") or cfg.get("hf_hub_id") or cfg.get("url") or "timm's cache"
+        origin = f"{spec.source or spec.name}: backbone.pretrained: timm's weights for {spec.backbone.model} ({where})"
+    else:
+        dense, source = create_backbone(spec), f"fresh {spec.backbone.model} (random init)"
+        origin = f"{spec.source or spec.name}: backbone: a fresh {spec.backbone.model}"
+    refuse_non_finite(dense.state_dict(), origin)  # every source: timm's pretrained loader checks nothing
+    return dense, source
 
 
 def _fits_as_is(checkpoint: str | Path, model: nn.Module) -> bool:

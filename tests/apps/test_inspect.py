@@ -6,8 +6,10 @@ import json
 import os
 import shutil
 import stat
+import struct
 import subprocess
 import sys
+import zlib
 from argparse import Namespace
 
 import numpy as np
@@ -256,3 +258,52 @@ def test_the_report_folder_never_replaces_the_images_or_the_checkpoint(workspace
     with pytest.raises(MoespecError, match="a folder of its own"):  # the library refuses too
         write_report(report, tmp_path / "data", force=True, inputs=[images])
     assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+
+
+def _claiming_size(path, width: int, height: int) -> None:
+    """A 1x1 PNG whose header claims `width` x `height` pixels (with a valid CRC): Pillow sees the size on
+    opening, before decoding anything, so the test never allocates the image."""
+    Image.new("RGB", (1, 1)).save(path)
+    data = bytearray(path.read_bytes())
+    start = data.index(b"IHDR")  # chunk type, then 13 bytes of data, then the CRC of type + data
+    data[start + 4:start + 12] = struct.pack(">II", width, height)
+    data[start + 17:start + 21] = struct.pack(">I", zlib.crc32(bytes(data[start:start + 17])))
+    path.write_bytes(bytes(data))
+
+
+SMALL = """\
+backbone: {model: vit_small_patch16_224, kwargs: {depth: 1, img_size: 32, embed_dim: 32, num_heads: 2, num_classes: 3}}
+input_size: [3, 32, 32]
+moe: [{where: {every: 1}, experts: 2, top_k: 1}]
+"""
+"""A one-block model, for the tests of reading images: building it is quick."""
+
+
+@pytest.mark.parametrize("side", [20000, 12000], ids=["bomb_error", "bomb_warning"])
+def test_a_decompression_bomb_is_a_clear_error_naming_the_image(workspace, tmp_path, side):
+    images = tmp_path / "images"
+    shutil.copytree(workspace / "images", images)
+    _claiming_size(images / "green" / "huge.png", side, side)
+    (tmp_path / "small.yaml").write_text(SMALL)
+    result = _cli("inspect", tmp_path / "small.yaml", "--images", images, "-o", tmp_path / "out")
+    assert result.exit_code == 2, result.stderr
+    assert result.stderr.startswith(f"moespec: error: {images / 'green' / 'huge.png'}: Image size "
+                                    f"({side * side} pixels) exceeds limit") and len(result.stderr.splitlines()) == 1
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_one_channel_model_reads_grayscale_and_other_channel_counts_are_refused(workspace, tmp_path):
+    gray = SMALL.replace("num_classes: 3}", "num_classes: 3, in_chans: 1}").replace("[3, 32, 32]", "[1, 32, 32]")
+    (tmp_path / "gray.yaml").write_text(gray)
+    model = load_model(tmp_path / "gray.yaml")
+    config, transform = data_transform(model)
+    mean, std = model.pretrained_cfg["mean"], model.pretrained_cfg["std"]
+    assert config["mean"] == (sum(mean) / len(mean),) and config["std"] == (sum(std) / len(std),)
+    with Image.open(workspace / "images" / "red" / "0.jpg") as image:
+        assert transform(image.convert("L")).shape == (1, 32, 32)
+    result = inspect_routing(model, find_images(workspace / "images", limit=1))
+    assert result.images_per_class == [1, 1, 1] and result.input_size == (1, 32, 32)
+    (tmp_path / "four.yaml").write_text(gray.replace("in_chans: 1", "in_chans: 4").replace("[1, 32", "[4, 32"))
+    with pytest.raises(MoespecError, match=rf"^{tmp_path / 'four.yaml'}: the model takes 4-channel images .* "
+                                           rf"RGB \(3 channels\) or grayscale \(1 channel\)"):
+        data_transform(load_model(tmp_path / "four.yaml"))

@@ -166,3 +166,43 @@ def test_noise_is_training_only_and_load_is_smooth():
     routing = router(x)
     assert routing.load.requires_grad and not torch.equal(routing.load, routing.load.round())
     assert routing.load.sum().item() == pytest.approx(50, rel=0.2)  # about one expert per item
+
+
+def _layers(dim: int = 4) -> dict[str, nn.Module]:
+    """One MoE layer of every built-in router kind (and the options that group, drop and normalize), GRN experts
+    too. (The opt-in hash router: tests/routers/test_hash.py.)"""
+
+    def gate():
+        return LinearGate(dim, 3)
+
+    grn = Experts(3, dim, 6, dim, act=nn.GELU(), inner_norm="grn")
+    return {
+        "topk": MoE(TopKRouter(gate(), 3, 2, noise_std=0.3), _bank(dim=dim), _bank(1, dim=dim)),
+        "topk_capacity_batch": MoE(TopKRouter(gate(), 3, 2, capacity_factor=1.0, bpr=True, group=None), _bank(dim=dim)),
+        "topk_drop": MoE(TopKRouter(ProjectedGate(dim, 3), 3, 1, drop_fraction=0.5), _bank(dim=dim)),
+        "image_cls": MoE(ImageRouter(gate(), 3, 1, pool="cls"), _bank(dim=dim)),
+        "image_mean": MoE(ImageRouter(gate(), 3, 2, pool="mean", normalize=True), _bank(dim=dim)),
+        "expert_choice": MoE(ExpertChoiceRouter(gate(), 3, group=None), _bank(dim=dim)),
+        "grn": MoE(TopKRouter(gate(), 3, 1), grn),
+        "soft": SoftMoE(_bank(dim=dim), 2, _bank(1, dim=dim)),
+        "soft_grn": SoftMoE(Experts(3, dim, 6, dim, act=nn.GELU(), inner_norm="grn"), 1),
+    }
+
+
+@pytest.mark.parametrize("images, tokens, training", [(0, 5, True), (0, 5, False), (3, 1, True)],
+                         ids=["empty_batch_train", "empty_batch_eval", "one_token"])
+def test_every_layer_takes_an_empty_batch_and_one_token_as_the_dense_ffn_does(images, tokens, training):
+    """[0, N, C] -> [0, N, C] and [B, 1, C] -> [B, 1, C], forward and backward, with finite aux losses, as a
+    dense FFN; the same for [B, C, H, W] maps."""
+    for name, layer in _layers().items():
+        layer.train(training)
+        x = torch.randn(images, tokens, 4, requires_grad=True)
+        y = layer(x)
+        assert y.shape == x.shape, name
+        losses = list(layer.aux_losses.values())
+        assert all(torch.isfinite(loss) for loss in losses), name
+        (y.sum() + sum(losses)).backward()
+        assert x.grad.shape == x.shape and all(torch.isfinite(p.grad).all() for p in layer.parameters()
+                                                if p.grad is not None), name
+        layer.channels_dim = 1
+        assert layer(torch.randn(images, 4, tokens, 2)).shape == (images, 4, tokens, 2), name

@@ -107,3 +107,12 @@ def test_the_seed_is_bounded_by_what_torch_takes(hash_kind):
     assert make_spec(TINY_VIT, [{**HASH_GROUP, "router": {"kind": "hash", "seed": 2**64 - 1}}])
     with pytest.raises(SpecError, match="moe.0.router.seed: input should be between 0 and 18446744073709551615"):
         make_spec(TINY_VIT, [{**HASH_GROUP, "router": {"kind": "hash", "seed": 2**64}}])
+
+
+@pytest.mark.parametrize("images, tokens", [(0, 5), (3, 1)], ids=["empty_batch", "one_token"])
+def test_an_empty_batch_and_one_token_route_as_the_dense_ffn_runs(hash_kind, images, tokens):
+    layer = moespec.layers.MoE(hash_kind.HashRouter(experts=3), moespec.layers.Experts(3, 4, 6, 4, act=torch.nn.GELU()))
+    x = torch.randn(images, tokens, 4, requires_grad=True)
+    y = layer(x)
+    y.sum().backward()
+    assert y.shape == x.shape and x.grad.shape == x.shape
