@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from ..compiler import create_model, materialize, moe_layers
 from ..errors import MoespecError
-from ..io import checkpoint_files, safetensors_shapes
+from ..io import check_castable, checkpoint_files, safetensors_shapes
 from ..layers.expert_parallel import sharded_banks
 from ..spec import Spec
 from ..weights import check_state_dict, read_spec
@@ -57,6 +57,7 @@ def load(path: str | Path, *, group: dist.ProcessGroup | None = None, device: st
         for file in files:
             with safe_open(str(file), framework="pt") as f:
                 for name in f.keys():
+                    check_castable(file, name, f.get_slice(name).get_dtype(), state[name].dtype)
                     where = slices.get(name)
                     state[name].copy_(f.get_slice(name)[where] if where is not None else f.get_tensor(name))
     return model.train()

@@ -15,7 +15,7 @@ import torch
 
 from ..errors import CheckpointError, MoespecError
 from .atomic import atomic_output
-from .safetensors import TensorInfo, read_safetensors_header, write_safetensors
+from .safetensors import MAX_HEADER_BYTES, TensorInfo, read_safetensors_header, safetensors_shapes, write_safetensors
 
 DEFAULT_MAX_SHARD_SIZE = 2 * 10**9  # bytes, as transformers' "2GB"
 SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20,
@@ -144,15 +144,41 @@ def checkpoint_files(path: str | Path) -> tuple[dict[str, str], list[Path]]:
 
 
 def _read_index(index: Path) -> tuple[dict[str, str], list[Path]]:
+    """The metadata and shards of a sharded checkpoint's index. Every weight_map entry must be a plain file
+    name next to the index (a path read from a file is never followed elsewhere), and the shards must hold
+    exactly the tensors the weight_map puts in them."""
     try:
+        if index.stat().st_size > MAX_HEADER_BYTES:
+            raise ValueError(f"over {MAX_HEADER_BYTES} bytes")
         content = json.loads(index.read_text())
-        metadata, weight_map = content["metadata"], content["weight_map"]
-        files = sorted({index.parent / name for name in weight_map.values()})
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+    except (OSError, ValueError, RecursionError) as err:
         raise CheckpointError(f"{index}: not a readable safetensors index ({type(err).__name__}: {err})") from None
+    if not isinstance(content, dict) or not isinstance(content.get("metadata"), dict) \
+            or not isinstance(content.get("weight_map"), dict):
+        raise CheckpointError(f'{index}: not a safetensors index; expected {{"metadata": {{...}}, "weight_map": '
+                              f'{{tensor name: shard file name}}}}')
+    weight_map = content["weight_map"]
+    for name, file in weight_map.items():
+        if not isinstance(file, str) or not _plain_name(file):
+            raise CheckpointError(f"{index}: weight_map entry {name!r}: {file!r} is not a file name; shards are named "
+                                  f"by their file name alone and sit next to the index")
+    files = sorted({index.parent / name for name in weight_map.values()})
     missing = [f.name for f in files if not f.is_file()]
     if missing:
         raise CheckpointError(f"{index}: shard(s) missing next to it: {', '.join(missing)}")
-    return {k: v for k, v in metadata.items() if isinstance(v, str)}, files
+    for file in files:
+        _check_shard(index, weight_map, file)
+    return {k: v for k, v in content["metadata"].items() if isinstance(v, str)}, files
 
 
+def _check_shard(index: Path, weight_map: dict[str, str], file: Path) -> None:
+    """`file` holds exactly the tensors that `weight_map` puts in it."""
+    held = safetensors_shapes(file).keys()
+    stray = [name for name in held if weight_map.get(name) != file.name]
+    if stray:
+        where = weight_map.get(stray[0])
+        said = f"puts it in {where}" if where is not None else "does not name it"
+        raise CheckpointError(f"{index}: shard {file.name} holds {stray[0]!r}, but the weight_map {said}")
+    absent = [name for name, shard in weight_map.items() if shard == file.name and name not in held]
+    if absent:
+        raise CheckpointError(f"{index}: the weight_map puts {absent[0]!r} in {file.name}, which does not hold it")
