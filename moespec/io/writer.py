@@ -77,9 +77,9 @@ def write_sharded(path: str | Path, infos: Sequence[TensorInfo], tensor: Callabl
                 temps[0].write_text(json.dumps({"metadata": {**metadata, "total_size": total},
                                                 "weight_map": weight_map}, indent=2))
             for temp, file in zip(temps[-len(files):], files, strict=True):
+                renamed = True
                 if kept_for and file.name in kept_for[1]:
                     _keep(file, kept_for[0])
-                renamed = True
                 commit(temp, file)
             if index is not None:
                 commit(temps[0], index)
