@@ -26,6 +26,7 @@ from .counting import FORMATS, per_rank, plan_table, rank_summary, render
 from .errors import MoespecError, SpecError
 from .io import DTYPE_NAMES, check_output, checkpoint_files, index_file, parse_size
 from .spec import json_schema_text, spec_files
+from .weights import check_seed
 
 app = typer.Typer(
     name="moespec",
@@ -135,6 +136,7 @@ def compile_command(
 
     def body() -> None:
         limit = parse_size(max_shard_size, "--max-shard-size")
+        check_seed(seed, "--seed")
         check_output(output, force)
         model = create_model(load_spec(spec), seed=seed)
         save(model, output, force=force, max_shard_size=limit)
@@ -184,6 +186,7 @@ def upcycle_command(
 
     def body() -> None:
         limit = parse_size(max_shard_size, "--max-shard-size")
+        check_seed(seed, "--seed")
         check_output(output, force)
         loaded = load_spec(spec)
         with progress("upcycling MoE layers") as advance:

@@ -3,6 +3,7 @@ checkpoints refused clearly, bit-identical weights per seed, deterministic eval 
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -20,8 +21,8 @@ from typer.testing import CliRunner
 
 import moespec
 from moespec.cli import app
-from moespec.errors import CheckpointError
-from moespec.io import atomic_output
+from moespec.errors import CheckpointError, MoespecError
+from moespec.io import TensorInfo, atomic_output, read_safetensors_header, write_safetensors, write_sharded
 from moespec.layers import MOE_LAYERS
 from moespec.weights import SPEC_HASH_KEY, SPEC_KEY, read_state_dict
 
@@ -56,10 +57,11 @@ def test_a_killed_write_leaves_no_output_and_the_next_write_removes_its_temp_fil
     assert proc.stdout.readline().strip() == "writing"
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
-    leftovers = list(tmp_path.iterdir())
-    assert not target.exists() and len(leftovers) == 1 and leftovers[0].name.startswith(".model.safetensors.")
-    with atomic_output(target) as tmp:  # the next write to the same path
-        tmp.write_bytes(b"done")
+    leftovers = sorted(p.name for p in tmp_path.iterdir())  # its temp file and its journal, both hidden
+    assert not target.exists() and len(leftovers) == 2 and all(n.startswith(".model.safetensors.") for n in leftovers)
+    with pytest.raises(MoespecError, match="interrupted.*pass --force"):
+        write_sharded(target, [TensorInfo("t", (1,), torch.float32)], lambda info: torch.ones(1), {})
+    write_sharded(target, [TensorInfo("t", (1,), torch.float32)], lambda info: torch.ones(1), {}, force=True)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors"]
 
 
@@ -126,7 +128,8 @@ def test_same_seed_gives_bit_identical_weights(tmp_path):
     digests = []
     for seed, name in ((5, "a"), (5, "b"), (6, "c")):  # streamed upcycling from a fresh dense init
         files, _ = moespec.upcycle_to_checkpoint(spec, tmp_path / f"{name}.safetensors", seed=seed, check=False)
-        digests.append(hashlib.sha256(files[0].read_bytes()).hexdigest())
+        _, start = read_safetensors_header(files[0])  # the weights' bytes; each write has its own write id
+        digests.append(hashlib.sha256(files[0].read_bytes()[start:]).hexdigest())
     assert digests[0] == digests[1] != digests[2]
 
 
@@ -219,3 +222,101 @@ def test_nan_or_inf_in_timms_pretrained_weights_is_refused(tmp_path, dense_check
     with pytest.raises(CheckpointError, match=rf"backbone.pretrained: timm's weights for vit_small_patch16_224 "
                                               rf"\({path}\): blocks.1.attn.qkv.weight hold NaN or Inf"):
         moespec.upcycle(spec)
+
+
+def _cli(*args):
+    return CliRunner().invoke(app, [str(a) for a in args])
+
+
+def _one_error_line(result, *needles):
+    assert result.exit_code == 2, result.output
+    assert result.stderr.startswith("moespec: error: ") and result.stderr.count("\n") == 1, result.stderr
+    assert all(needle in result.stderr for needle in needles), result.stderr
+
+
+@pytest.fixture
+def spec_file(tmp_path):
+    path = tmp_path / "spec.yaml"
+    path.write_text(make_spec(TINY_VIT, SPEC).to_yaml())
+    return path
+
+
+@pytest.mark.parametrize("size", ["inf", "nan", "1e400", "-1", "0.5"])
+def test_a_shard_size_that_is_no_size_is_a_user_error(spec_file, tmp_path, size):
+    for command in ("compile", "upcycle"):
+        result = _cli(command, spec_file, "-o", tmp_path / "out.safetensors", "--max-shard-size", size)
+        _one_error_line(result, f"--max-shard-size {size!r}: expected a finite, positive size such as 2GB")
+
+
+@pytest.mark.parametrize("seed", [-1, 2**63, 2**64])
+def test_a_seed_out_of_range_is_a_user_error(spec_file, tmp_path, seed):
+    for command in ("compile", "upcycle"):
+        result = _cli(command, spec_file, "-o", tmp_path / "out.safetensors", "--seed", seed)
+        _one_error_line(result, f"--seed {seed}: expected a whole number from 0 to 2**63 - 1 (9223372036854775807)")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["spec.yaml"]
+
+
+def _model_with_spec() -> torch.nn.Module:
+    """A model `save` takes, without the cost of building one: any module with a spec attached."""
+    model = torch.nn.Linear(2, 2)
+    model.moespec_spec = make_spec(TINY_VIT, SPEC)
+    return model
+
+
+def test_an_output_that_is_a_folder_is_refused_even_with_force(spec_file, tmp_path):
+    folder = tmp_path / "model.safetensors"
+    (folder / "inside").mkdir(parents=True)
+    for command in ("compile", "upcycle"):
+        for force in ([], ["--force"]):
+            result = _cli(command, spec_file, "-o", folder, *force)
+            _one_error_line(result, f"{folder} is a folder; the output is a file")
+    with pytest.raises(MoespecError, match="is a folder; the output is a file"):
+        moespec.save(_model_with_spec(), folder, force=True)
+    assert [p.name for p in folder.iterdir()] == ["inside"]
+
+
+def test_an_output_folder_that_runs_through_a_file_is_a_user_error(spec_file, tmp_path):
+    (tmp_path / "blocked").write_text("a file")
+    result = _cli("compile", spec_file, "-o", tmp_path / "blocked" / "deeper" / "out.safetensors")
+    _one_error_line(result, "cannot create the output's folder", f"{tmp_path / 'blocked'} is a file, not a folder")
+    assert (tmp_path / "blocked").read_text() == "a file"
+
+
+def test_an_unwritable_output_folder_is_a_user_error(spec_file, tmp_path):
+    folder = tmp_path / "locked"
+    folder.mkdir(mode=0o555)
+    try:
+        if os.access(folder, os.W_OK):
+            pytest.skip("chmod 555 does not stop this user's writes (root)")
+        result = _cli("compile", spec_file, "-o", folder / "out.safetensors")
+    finally:
+        folder.chmod(0o755)
+    _one_error_line(result, f"{folder}: cannot write files in this folder (Permission denied)")
+    assert list(folder.iterdir()) == []
+
+
+def test_a_full_disk_is_a_user_error_that_keeps_the_old_output(spec_file, tmp_path, monkeypatch):
+    old = tmp_path / "out.safetensors"
+    infos = [TensorInfo(f"t{i}", (100,), torch.float32) for i in range(2)]
+    write_sharded(old, infos, lambda info: torch.ones(100), {}, max_shard_size=400)  # two shards and an index
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    writes, whole = [], [0]
+
+    def full_disk(file, *args):  # the first `whole[0]` files are written whole; the disk is full in the next
+        writes.append(file)
+        if len(writes) <= whole[0]:
+            return write_safetensors(file, *args)
+        with open(file, "wb") as f:
+            f.write(b"partial")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr("moespec.io.writer.write_safetensors", full_disk)
+    result = _cli("compile", spec_file, "-o", old, "--force")  # one file over a sharded output
+    _one_error_line(result, f"{old}: cannot write it (No space left on device)")
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before  # no temp file, the old output intact
+    writes.clear()
+    whole[0] = 1
+    with pytest.raises(MoespecError, match="cannot write it"):  # shards of other names, the second one cut short
+        other = [TensorInfo(f"u{i}", (100,), torch.float32) for i in range(4)]
+        write_sharded(old, other, lambda info: torch.zeros(100), {}, max_shard_size=400, force=True)
+    assert len(writes) == 2 and {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before

@@ -2,10 +2,12 @@
 
     atomic.py       check_output ("exists; pass --force"), atomic_output (temp + fsync + rename)
     safetensors.py  headers validated by the safetensors library, reads straight into tensors, streaming writes
-    sharding.py     shard layout, write_sharded, the files of a (sharded) checkpoint, sizes like "2GB"
+    sharding.py     shard layout, the files of a (sharded) checkpoint, sizes like "2GB"
+    write_ids.py    which write made each shard: a reader never mixes two writes
+    writer.py       write_sharded: all files or none, as a reader sees it, even when killed
 """
 
-from .atomic import atomic_output, check_output, default_mode, remove_stale_temp_files
+from .atomic import atomic_output, check_output, commit, default_mode, remove_stale_temp_files, temp_output
 from .safetensors import (
                           DTYPE_NAMES,
                           READ_DTYPES,
@@ -22,13 +24,14 @@ from .sharding import (
                           checkpoint_files,
                           index_file,
                           parse_size,
-                          refuse_existing,
                           shard_files,
                           shard_layout,
-                          write_sharded,
 )
+from .write_ids import WRITE_ID_KEY, check_write_ids
+from .writer import refuse_existing, write_sharded
 
-__all__ = ["DEFAULT_MAX_SHARD_SIZE", "DTYPE_NAMES", "READ_DTYPES", "SAFETENSORS_DTYPES", "TensorInfo", "atomic_output",
-           "check_castable", "check_output", "checkpoint_files", "default_mode", "index_file", "parse_size",
-           "read_safetensors_header", "read_safetensors_into", "refuse_existing", "remove_stale_temp_files",
-           "safetensors_shapes", "shard_files", "shard_layout", "write_safetensors", "write_sharded"]
+__all__ = ["DEFAULT_MAX_SHARD_SIZE", "DTYPE_NAMES", "READ_DTYPES", "SAFETENSORS_DTYPES", "TensorInfo", "WRITE_ID_KEY",
+           "atomic_output", "check_castable", "check_output", "check_write_ids", "checkpoint_files", "commit",
+           "default_mode", "index_file", "parse_size", "read_safetensors_header", "read_safetensors_into",
+           "refuse_existing", "remove_stale_temp_files", "safetensors_shapes", "shard_files", "shard_layout",
+           "temp_output", "write_safetensors", "write_sharded"]

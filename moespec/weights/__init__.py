@@ -8,9 +8,9 @@
 
 from .checkpoint import SPEC_HASH_KEY, SPEC_KEY, VERSION_KEY, load, output_dtype, read_spec, save, spec_metadata
 from .dense import check_state_dict, dense_model, read_state_dict, refuse_non_finite
-from .streaming import upcycle_to_checkpoint
+from .streaming import check_seed, upcycle_to_checkpoint
 from .upcycle import UpcycleReport, caveats, compare, upcycle, upcycle_into, upcycle_with_report
 
-__all__ = ["SPEC_HASH_KEY", "SPEC_KEY", "UpcycleReport", "VERSION_KEY", "caveats", "check_state_dict", "compare",
-           "dense_model", "load", "output_dtype", "read_spec", "read_state_dict", "refuse_non_finite", "save",
-           "spec_metadata", "upcycle", "upcycle_into", "upcycle_to_checkpoint", "upcycle_with_report"]
+__all__ = ["SPEC_HASH_KEY", "SPEC_KEY", "UpcycleReport", "VERSION_KEY", "caveats", "check_seed", "check_state_dict",
+           "compare", "dense_model", "load", "output_dtype", "read_spec", "read_state_dict", "refuse_non_finite",
+           "save", "spec_metadata", "upcycle", "upcycle_into", "upcycle_to_checkpoint", "upcycle_with_report"]

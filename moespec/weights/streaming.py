@@ -12,12 +12,22 @@ import torch
 from torch import nn
 
 from ..compiler import compile_model, materialize, moe_layers
+from ..errors import MoespecError
 from ..io import DEFAULT_MAX_SHARD_SIZE, TensorInfo, write_sharded
 from ..planning import Plan, plan_for
 from ..spec import Spec
 from .checkpoint import load, output_dtype, spec_metadata
 from .dense import dense_model
 from .upcycle import UpcycleReport, caveats, compare, upcycle_layer
+
+MAX_SEED = 2**63 - 1
+
+
+def check_seed(seed: int, name: str = "seed") -> int:
+    """`seed` when torch takes it for every generator it seeds (up to `seed + 1`), else a `MoespecError`."""
+    if not 0 <= seed <= MAX_SEED:
+        raise MoespecError(f"{name} {seed}: expected a whole number from 0 to 2**63 - 1 ({MAX_SEED})")
+    return seed
 
 
 def upcycle_to_checkpoint(spec: Spec, output: str | Path, *, checkpoint: str | Path | None = None, seed: int = 0,
@@ -35,6 +45,7 @@ def upcycle_to_checkpoint(spec: Spec, output: str | Path, *, checkpoint: str | P
     FFN as it is built. `on_layer(path, done, total)` is called after each MoE layer is written.
     Returns the files written (index first) and the check's report (None without `check`).
     """
+    check_seed(seed)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)  # fresh inits (dense model without weights, rebuilt blocks) are reproducible
         generator = torch.Generator().manual_seed(seed)

@@ -52,8 +52,8 @@ def test_a_failed_write_leaves_nothing_behind(tmp_path, monkeypatch):
             f.write(b"partial")
         raise OSError("disk full")
 
-    monkeypatch.setattr("moespec.io.sharding.write_safetensors", explode)
-    with pytest.raises(OSError):
+    monkeypatch.setattr("moespec.io.writer.write_safetensors", explode)
+    with pytest.raises(MoespecError, match="moe.safetensors: cannot write it \\(disk full\\)"):
         moespec.save(model, tmp_path / "moe.safetensors")
     assert list(tmp_path.iterdir()) == []
 
