@@ -103,7 +103,7 @@ def test_inspect_counts_every_token_once(hash_kind):
 
 
 def test_the_seed_is_bounded_by_what_torch_takes(hash_kind):
-    """A seed of 2**64 was an OverflowError of torch.Generator.manual_seed (exit 1)."""
+    """A seed of 2**64 overflows torch.Generator.manual_seed (ValueError: Overflow when unpacking long long)."""
     assert make_spec(TINY_VIT, [{**HASH_GROUP, "router": {"kind": "hash", "seed": 2**64 - 1}}])
     with pytest.raises(SpecError, match="moe.0.router.seed: input should be between 0 and 18446744073709551615"):
         make_spec(TINY_VIT, [{**HASH_GROUP, "router": {"kind": "hash", "seed": 2**64}}])
