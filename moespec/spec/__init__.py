@@ -4,6 +4,7 @@
     selectors.py  `where:` selectors                    blocks.py     Block / BlockLayout, what selectors resolve
     models.py     one pydantic model per YAML mapping   problems.py   pydantic errors -> located Problems
     loading.py    load_spec, spec_files, spec_problem   schema.py     the JSON Schema of spec files
+    yaml_positions.py  YAML with file:line:col of values   yaml_limits.py  size, depth and alias budgets
 """
 
 from .blocks import Block, BlockLayout
