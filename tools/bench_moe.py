@@ -1,7 +1,7 @@
 """Benchmark the MoE layer against a dense FFN of equal activated FLOPs, Soft MoE scaling, and whole models.
 
     python tools/bench_moe.py [--quick] [--device cpu|cuda] [--dtype fp32|bf16] [--dispatch auto|loop|padded|grouped_mm]
-                              [--only layer|soft|model|groups] [--json out.json]
+                              [--only layer|soft|model|groups|peers] [--peers] [--threads N] [--json out.json]
 
 1. Layer: top-k MoE (E experts of width 4d, top-k) vs a dense FFN of width k * 4d on the same T tokens,
    d = 384, measured interleaved in one process; median ms and the ratio MoE / dense, forward and
@@ -13,22 +13,33 @@
 4. Routing groups at T = 6304 (32 images of 197 tokens): the capacity-limited top-k (with and without BPR)
    and expert-choice layers routing each image alone (`group: image`) against the whole batch (`group:
    batch`): the router alone and the whole layer, forward, interleaved; ratio image / batch.
+5. Peers (`--peers`, needs `pip install -e ".[bench]"`): the MoE blocks a user would pick instead
+   (tools/moe_peers.py: transformers' Mixtral and Qwen3-MoE blocks, DeepSpeed's MoE at ep_size=1,
+   soft-moe-pytorch; torchtune where its release has an MoE), built with moespec's router and expert
+   weights, each output checked against a per-expert reference, then timed interleaved at T = 6304, d = 384,
+   expert width 1536; each ratio is to the dense FFN of its own family (SwiGLU or GELU MLP) with equal
+   activated FLOPs. A peer that is not installed is skipped with a note.
 Figures only: machines are noisy, so nothing here is a test.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import statistics
 import time
 
 import torch
+from moe_peers import DIM, Peer, soft_peers, topk_peers  # tools/moe_peers.py, beside this script
 from timm.layers import Mlp
 from torch import nn
 
 import moespec
 from moespec.layers import ExpertChoiceRouter, Experts, LinearGate, MoE, SoftMoE, TopKRouter
+
+PEER_LIBRARIES = ("torch", "transformers", "deepspeed", "torchtune", "soft-moe-pytorch")
+PEER_TOLERANCE = 1e-5  # max |output - reference| / max |reference|, fp32
 
 
 def _time(fn, repeats: int) -> list[float]:
@@ -158,6 +169,81 @@ def group_bench(device, dtype, quick: bool) -> list[dict]:
     return rows
 
 
+def peer_bench(device, dtype, quick: bool) -> dict:
+    """moespec against its peers on 32 images of 197 tokens: top-k at E in {8, 32}, k in {1, 2} (SwiGLU and
+    GELU families), and Soft MoE with 192 slots at E in {8, 32}."""
+    images, per_image = 32, 197
+    x = torch.randn(images, per_image, DIM, device=device, dtype=dtype)
+    repeats = 3 if quick else 5
+    rows, skipped = [], []
+    for experts, top_k in [(8, 2)] if quick else [(e, k) for e in (8, 32) for k in (1, 2)]:
+        peers = []
+        for family in ("swiglu", "gelu"):
+            built, missing = topk_peers(family, experts, top_k)
+            peers += built
+            skipped += [{"name": m.name, "experts": experts, "top_k": top_k, "reason": m.reason} for m in missing]
+        rows += _time_peers(peers, x, repeats, {"kind": "topk", "experts": experts, "top_k": top_k})
+    for experts in (8,) if quick else (8, 32):
+        peers, missing = soft_peers(experts, 192, per_image)
+        skipped += [{"name": m.name, "experts": experts, "reason": m.reason} for m in missing]
+        rows += _time_peers(peers, x, repeats, {"kind": "soft", "experts": experts, "slots": 192})
+    for skip in skipped:
+        print(f"peers: skipped {skip['name']} (E={skip['experts']}): {skip['reason']}", flush=True)
+    return {"tokens": images * per_image, "rows": rows, "skipped": skipped, "versions": _versions()}
+
+
+def _time_peers(peers: list[Peer], x: torch.Tensor, repeats: int, setting: dict) -> list[dict]:
+    """Check each peer against its reference, then time the ones that pass with the dense baselines,
+    interleaved; ratio = ms / ms of the dense FFN of the peer's family."""
+    checked = []
+    for peer in peers:
+        peer.module.to(x.device, x.dtype)
+        error = None
+        if peer.reference is not None:
+            with torch.no_grad():
+                reference = peer.reference(x)
+                error = ((peer.module(x) - reference).abs().max() / reference.abs().max()).item()
+        checked.append((peer, error))
+    timed = {p.name: p for p, error in checked if error is None or error <= PEER_TOLERANCE}
+    inputs = x.detach().requires_grad_()
+    with torch.no_grad():
+        forward = interleaved({name: (lambda m=p.module: m(x)) for name, p in timed.items()}, repeats)
+    backward = interleaved({name: (lambda m=p.module: m(inputs).float().square().mean().backward())
+                            for name, p in timed.items()}, repeats)
+    rows = []
+    for peer, error in checked:
+        row = {**setting, "name": peer.name, "family": peer.family, "check_error": error}
+        if peer.name in timed:
+            baseline = f"dense {peer.family}"
+            row.update(fwd_ms=forward[peer.name], fwd_ratio=forward[peer.name] / forward[baseline],
+                       fwdbwd_ms=backward[peer.name], fwdbwd_ratio=backward[peer.name] / backward[baseline])
+            check = "baseline" if error is None else f"check {error:.1e}"
+            print(f"peers {_setting_label(setting):12s} {peer.name:28s} fwd {row['fwd_ms']:9.1f} ms "
+                  f"{row['fwd_ratio']:5.2f}x   fwd+bwd {row['fwdbwd_ms']:9.1f} ms {row['fwdbwd_ratio']:5.2f}x   "
+                  f"({check})", flush=True)
+        else:
+            print(f"peers {_setting_label(setting):12s} {peer.name:28s} NOT TIMED: output differs from its "
+                  f"reference by {error:.1e} (> {PEER_TOLERANCE})", flush=True)
+        rows.append(row)
+    return rows
+
+
+def _setting_label(setting: dict) -> str:
+    if setting["kind"] == "soft":
+        return f"soft E={setting['experts']}"
+    return f"E={setting['experts']} k={setting['top_k']}"
+
+
+def _versions() -> dict[str, str | None]:
+    versions = {}
+    for name in PEER_LIBRARIES:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = None
+    return versions
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a few settings only")
@@ -166,14 +252,20 @@ def main() -> None:
     parser.add_argument("--dispatch", default="auto", choices=["auto", "loop", "padded", "grouped_mm"],
                         help="force the experts' step (default: picked by device, dtype and size)")
     parser.add_argument("--json", help="also write the figures to this file")
-    parser.add_argument("--only", choices=["layer", "soft", "model", "groups"], action="append")
+    parser.add_argument("--only", choices=["layer", "soft", "model", "groups", "peers"], action="append")
+    parser.add_argument("--peers", action="store_true",
+                        help="time the peers' MoE blocks (alone, or with the parts --only names)")
+    parser.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
-    parts = args.only or ["layer", "soft", "model", "groups"]
+    parts = (args.only or ([] if args.peers else ["layer", "soft", "model", "groups"])) + (["peers"] * args.peers)
     Experts.dispatch = args.dispatch
     results = {"device": args.device, "dtype": args.dtype, "dispatch": args.dispatch,
                "threads": torch.get_num_threads()}
-    for part, fn in (("layer", layer_bench), ("soft", soft_bench), ("model", model_bench), ("groups", group_bench)):
+    for part, fn in (("layer", layer_bench), ("soft", soft_bench), ("model", model_bench), ("groups", group_bench),
+                     ("peers", peer_bench)):
         if part in parts:
             results[part] = fn(args.device, dtype, args.quick)
     if args.json:
