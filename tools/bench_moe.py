@@ -187,8 +187,8 @@ def peer_bench(device, dtype, quick: bool) -> dict:
         peers, missing = soft_peers(experts, 192, per_image)
         skipped += [{"name": m.name, "experts": experts, "reason": m.reason} for m in missing]
         rows += _time_peers(peers, x, repeats, {"kind": "soft", "experts": experts, "slots": 192})
-    for skip in skipped:
-        print(f"peers: skipped {skip['name']} (E={skip['experts']}): {skip['reason']}", flush=True)
+    for name, reason in dict.fromkeys((skip["name"], skip["reason"]) for skip in skipped):  # once each
+        print(f"peers: skipped {name}: {reason}", flush=True)
     return {"tokens": images * per_image, "rows": rows, "skipped": skipped, "versions": _versions()}
 
 
