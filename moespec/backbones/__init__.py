@@ -9,9 +9,9 @@ stages, reading and rebuilding its FFN families (adapters) and its residual bloc
 from .adapters import ADAPTERS, Adapter, FFNShape, adapter_named, find_adapter, register_adapter
 from .create import create_backbone
 from .discovery import find_blocks
-from .placement import refuse_if_too_large, resolve_device
+from .placement import device_memory, refuse_if_too_large, resolve_device
 from .rebuilders import BLOCK_REBUILDERS, BlockRebuilder, find_rebuilder, register_rebuilder
 
 __all__ = ["ADAPTERS", "Adapter", "BLOCK_REBUILDERS", "BlockRebuilder", "FFNShape", "adapter_named", "create_backbone",
-           "find_adapter", "find_blocks", "find_rebuilder", "refuse_if_too_large", "register_adapter",
+           "device_memory", "find_adapter", "find_blocks", "find_rebuilder", "refuse_if_too_large", "register_adapter",
            "register_rebuilder", "resolve_device"]

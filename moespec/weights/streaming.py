@@ -4,13 +4,13 @@ a time, so that a model larger than memory can be upcycled (`moespec upcycle`)."
 from __future__ import annotations
 
 import dataclasses
-import os
 from pathlib import Path
 from typing import Callable
 
 import torch
 from torch import nn
 
+from ..backbones import device_memory
 from ..compiler import compile_model, materialize, moe_layers
 from ..errors import MoespecError
 from ..io import DEFAULT_MAX_SHARD_SIZE, TensorInfo, write_sharded
@@ -128,4 +128,4 @@ class _LayerStream:
 
 
 def _memory_bytes() -> int:
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return device_memory(torch.device("cpu"))
