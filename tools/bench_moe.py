@@ -5,7 +5,10 @@
 
 1. Layer: top-k MoE (E experts of width 4d, top-k) vs a dense FFN of width k * 4d on the same T tokens,
    d = 384, measured interleaved in one process; median ms and the ratio MoE / dense, forward and
-   forward+backward.
+   forward+backward, for the default step ("auto", which step it picks) and each forced step (loop, padded,
+   grouped_mm), with auto / best forced: the figures `moespec/layers/dispatch.py` is fitted on. At T = 197
+   also the weight-bandwidth floor: the bytes of the expert weights the batch needs, at the memory read
+   bandwidth measured in the same run.
 2. Soft MoE on 196 tokens: forward time with the total slots fixed at 196 while experts grow from 4 to 196
    (the paper's claim: cost follows slots, not experts), and with one slot per expert from 8 to 1024.
 3. Models at batch 32: (MoE images/s) / (dense images/s) / (dense GMACs / MoE GMACs); 1.0 = no routing
@@ -18,7 +21,8 @@
    soft-moe-pytorch; torchtune where its release has an MoE), built with moespec's router and expert
    weights, each output checked against a per-expert reference, then timed interleaved at T = 6304, d = 384,
    expert width 1536; each ratio is to the dense FFN of its own family (SwiGLU or GELU MLP) with equal
-   activated FLOPs. A peer that is not installed is skipped with a note.
+   activated FLOPs. Then Soft MoE against soft-moe-pytorch from 8 to 1024 experts, with one slot per expert
+   and with 1024 slots in all. A peer that is not installed is skipped with a note.
 Figures only: machines are noisy, so nothing here is a test.
 """
 
@@ -64,37 +68,108 @@ def interleaved(fns: dict, repeats: int) -> dict[str, float]:
     return {name: statistics.median(values) for name, values in samples.items()}
 
 
+STEPS = ("loop", "padded", "grouped_mm")
+
+
 def layer_bench(device, dtype, quick: bool) -> list[dict]:
-    dim, rows = 384, []
+    """Top-k MoE against its equal-FLOP dense FFN, with the default step ("auto") and every forced step timed
+    interleaved; at T = 197 also the weight-bandwidth floor (see `bandwidth_floor`)."""
+    rows = []
     grid = [(e, k, t) for e in (8, 32) for k in (1, 2) for t in (197, 6304)]
     if quick:
         grid = [(8, 2, 197), (8, 2, 6304)]
+    bandwidth = read_bandwidth(device)
+    print(f"layer: memory read bandwidth {bandwidth / 1e9:.1f} GB/s (sum over a 1 GiB tensor, best of 5)", flush=True)
     for experts, top_k, tokens in grid:
-        torch.manual_seed(0)
-        bank = Experts(experts, dim, 4 * dim, dim, act=nn.GELU())
-        moe = MoE(TopKRouter(LinearGate(dim, experts), experts, top_k), bank).to(device, dtype)
-        dense = Mlp(dim, top_k * 4 * dim).to(device, dtype)  # equal activated FLOPs
-        x = torch.randn(1, tokens, dim, device=device, dtype=dtype, requires_grad=True)
-
-        def fwd(m, x=x):
-            return lambda: m(x)
-
-        def fwd_bwd(m, x=x):
-            return lambda: m(x).float().square().mean().backward()
-
-        repeats = 10 if tokens > 1000 else 30
-        with torch.no_grad():
-            forward = interleaved({"moe": fwd(moe), "dense": fwd(dense)}, repeats)
-        backward = interleaved({"moe": fwd_bwd(moe), "dense": fwd_bwd(dense)}, repeats)
-        rows.append({"experts": experts, "top_k": top_k, "tokens": tokens,
-                     "fwd_moe_ms": forward["moe"], "fwd_dense_ms": forward["dense"],
-                     "fwd_ratio": forward["moe"] / forward["dense"],
-                     "fwdbwd_moe_ms": backward["moe"], "fwdbwd_dense_ms": backward["dense"],
-                     "fwdbwd_ratio": backward["moe"] / backward["dense"]})
-        print(f"layer E={experts:3d} k={top_k} T={tokens:5d}: fwd {forward['moe']:8.2f} / {forward['dense']:8.2f} ms "
-              f"= {rows[-1]['fwd_ratio']:.2f}x   fwd+bwd {backward['moe']:8.2f} / {backward['dense']:8.2f} ms = "
-              f"{rows[-1]['fwdbwd_ratio']:.2f}x", flush=True)
+        row = _layer_setting(experts, top_k, tokens, device, dtype, bandwidth)
+        rows.append(row)
+        print(f"layer E={experts:3d} k={top_k} T={tokens:5d} ratio to dense (auto picks {row['auto_fwd']} | "
+              f"{row['auto_fwdbwd']})", flush=True)
+        for label, name in (("fwd", "fwd    "), ("fwdbwd", "fwd+bwd")):
+            forced = "  ".join(f"{s} {row[f'{label}_{s}_ratio']:.2f}x" for s in STEPS)
+            print(f"    {name}: auto {row[f'{label}_auto_ratio']:.2f}x ({row[f'{label}_auto_ms']:.2f} ms vs dense "
+                  f"{row[f'{label}_dense_ms']:.2f} ms)   {forced}   auto / best forced "
+                  f"{row[f'{label}_auto_vs_best']:.3f}", flush=True)
+        if "floor_fwd_ms" in row:
+            print(f"    weight-bandwidth floor: {row['floor_bytes'] / 1e6:.1f} MB of expert weights read -> fwd "
+                  f"{row['floor_fwd_ms']:.2f} ms (auto {row['fwd_auto_ms'] / row['floor_fwd_ms']:.2f}x the floor), "
+                  f"fwd+bwd {row['floor_fwdbwd_ms']:.2f} ms "
+                  f"({row['fwdbwd_auto_ms'] / row['floor_fwdbwd_ms']:.2f}x); the dense FFN, whose weights are "
+                  f"{row['dense_floor_fwd_ms'] / row['floor_fwd_ms']:.2f}x as many bytes, runs at "
+                  f"{row['fwd_dense_ms'] / row['dense_floor_fwd_ms']:.1f}x its own floor", flush=True)
     return rows
+
+
+def _layer_setting(experts: int, top_k: int, tokens: int, device, dtype, bandwidth: float) -> dict:
+    dim = 384
+    torch.manual_seed(0)
+    bank = Experts(experts, dim, 4 * dim, dim, act=nn.GELU())
+    moe = MoE(TopKRouter(LinearGate(dim, experts), experts, top_k), bank).to(device, dtype)
+    dense = Mlp(dim, top_k * 4 * dim).to(device, dtype)  # equal activated FLOPs
+    x = torch.randn(1, tokens, dim, device=device, dtype=dtype, requires_grad=True)
+
+    def fwd(step):
+        def run():
+            bank.dispatch = step
+            return moe(x)
+        return run
+
+    def fwd_bwd(step):
+        def run():
+            bank.dispatch = step
+            moe(x).float().square().mean().backward()
+        return run
+
+    repeats = 10 if tokens > 1000 else 30
+    steps = ("auto",) + STEPS
+    with torch.no_grad():
+        forward = interleaved({**{s: fwd(s) for s in steps}, "dense": lambda: dense(x)}, repeats)
+        picked_fwd = _picked(moe, x)
+    backward = interleaved({**{s: fwd_bwd(s) for s in steps},
+                            "dense": lambda: dense(x).float().square().mean().backward()}, repeats)
+    row = {"experts": experts, "top_k": top_k, "tokens": tokens, "auto_fwd": picked_fwd,
+           "auto_fwdbwd": _picked(moe, x)}
+    for label, times in (("fwd", forward), ("fwdbwd", backward)):
+        row[f"{label}_dense_ms"] = times["dense"]
+        for step in steps:
+            row[f"{label}_{step}_ms"] = times[step]
+            row[f"{label}_{step}_ratio"] = times[step] / times["dense"]
+        row[f"{label}_auto_vs_best"] = times["auto"] / min(times[s] for s in STEPS)
+    if tokens <= 1000:
+        row.update(bandwidth_floor(moe, x, bandwidth))
+        row["dense_floor_fwd_ms"] = sum(p.numel() * p.element_size() for p in dense.parameters()) / bandwidth * 1e3
+    return row
+
+
+def _picked(moe: MoE, x: torch.Tensor) -> str:
+    """The step "auto" takes for this layer's routed rows, in the current grad mode."""
+    moe.experts.dispatch = "auto"
+    with torch.no_grad():
+        routing = moe.router(x.reshape(-1, x.shape[-1]), x.shape[0])
+    rows = x.new_empty(routing.item.shape[0], x.shape[-1], requires_grad=torch.is_grad_enabled())
+    return moe.experts.strategy(rows)
+
+
+def read_bandwidth(device) -> float:
+    """Bytes per second that a reduction reads from memory: sum over a 1 GiB fp32 tensor, best of 5."""
+    big = torch.ones(2**28, device=device)
+    best = min(_time(lambda: big.sum(), 1)[0] for _ in range(5))
+    return big.numel() * big.element_size() / (best / 1e3)
+
+
+def bandwidth_floor(moe: MoE, x: torch.Tensor, bandwidth: float) -> dict:
+    """The least time the layer can take when reading weights bounds it (small T): the bytes of the gate and of
+    every expert that gets at least one row, at the measured bandwidth. Forward reads them once; forward +
+    backward reads them twice (the input gradient needs them) and writes their gradients once."""
+    with torch.no_grad():
+        routing = moe.router(x.reshape(-1, x.shape[-1]), x.shape[0])
+    used = int((routing.counts > 0).sum())
+    bank = moe.experts
+    per_expert = sum(p[0].numel() * p.element_size() for p in bank.parameters())
+    gate = sum(p.numel() * p.element_size() for p in moe.router.parameters())
+    weight_bytes = used * per_expert + gate
+    return {"experts_used": used, "floor_bytes": weight_bytes, "floor_fwd_ms": weight_bytes / bandwidth * 1e3,
+            "floor_fwdbwd_ms": 3 * weight_bytes / bandwidth * 1e3}
 
 
 def soft_bench(device, dtype, quick: bool) -> list[dict]:
@@ -187,14 +262,42 @@ def peer_bench(device, dtype, quick: bool) -> dict:
         peers, missing = soft_peers(experts, 192, per_image)
         skipped += [{"name": m.name, "experts": experts, "reason": m.reason} for m in missing]
         rows += _time_peers(peers, x, repeats, {"kind": "soft", "experts": experts, "slots": 192})
+    sweep, sweep_skipped = soft_sweep(device, dtype, quick)
+    skipped += sweep_skipped
     for name, reason in dict.fromkeys((skip["name"], skip["reason"]) for skip in skipped):  # once each
         print(f"peers: skipped {name}: {reason}", flush=True)
-    return {"tokens": images * per_image, "rows": rows, "skipped": skipped, "versions": _versions()}
+    return {"tokens": images * per_image, "rows": rows, "soft_sweep": sweep, "skipped": skipped,
+            "versions": _versions()}
+
+
+def soft_sweep(device, dtype, quick: bool) -> tuple[list[dict], list[dict]]:
+    """Soft MoE against soft-moe-pytorch on 8 images of 196 tokens as the experts grow from 8 to 1024: one slot
+    per expert (the slots grow with the experts), and 1024 slots in all (fewer slots per expert as they grow)."""
+    x = torch.randn(8, 196, DIM, device=device, dtype=dtype)
+    counts = (8, 128) if quick else (8, 32, 128, 512, 1024)
+    rows, skipped = [], []
+    for series, slots_of in (("one_slot_per_expert", lambda e: e), ("fixed_1024_slots", lambda e: 1024)):
+        for experts in counts:
+            peers, missing = soft_peers(experts, slots_of(experts), x.shape[1])
+            skipped += [{"name": m.name, "experts": experts, "reason": m.reason} for m in missing]
+            setting = {"kind": "soft", "series": series, "experts": experts, "slots": slots_of(experts)}
+            timed = _time_peers(peers, x, 3 if experts >= 512 else 5, setting)
+            rows += timed
+            del peers
+            named = {r["name"]: r for r in timed}
+            ours, theirs = named["moespec soft"], named.get("soft-moe-pytorch", {})
+            if "fwd_ms" in ours and "fwd_ms" in theirs:
+                fwd, fwd_bwd = (ours[key] / theirs[key] for key in ("fwd_ms", "fwdbwd_ms"))
+                print(f"peers soft {series} E={experts}: moespec / soft-moe-pytorch fwd {fwd:.2f}x, fwd+bwd "
+                      f"{fwd_bwd:.2f}x", flush=True)
+    return rows, skipped
 
 
 def _time_peers(peers: list[Peer], x: torch.Tensor, repeats: int, setting: dict) -> list[dict]:
     """Check each peer against its reference, then time the ones that pass with the dense baselines,
-    interleaved; ratio = ms / ms of the dense FFN of the peer's family."""
+    interleaved; ratio = ms / ms of the dense FFN of the peer's family. Gradients are dropped before each
+    backward (set_to_none, as torch's zero_grad does by default), so every backward writes fresh ones, as in
+    a training step, and only one module holds gradients at a time."""
     checked = []
     for peer in peers:
         peer.module.to(x.device, x.dtype)
@@ -208,8 +311,7 @@ def _time_peers(peers: list[Peer], x: torch.Tensor, repeats: int, setting: dict)
     inputs = x.detach().requires_grad_()
     with torch.no_grad():
         forward = interleaved({name: (lambda m=p.module: m(x)) for name, p in timed.items()}, repeats)
-    backward = interleaved({name: (lambda m=p.module: m(inputs).float().square().mean().backward())
-                            for name, p in timed.items()}, repeats)
+    backward = interleaved({name: (lambda m=p.module: _train_step(m, inputs)) for name, p in timed.items()}, repeats)
     rows = []
     for peer, error in checked:
         row = {**setting, "name": peer.name, "family": peer.family, "check_error": error}
@@ -228,9 +330,15 @@ def _time_peers(peers: list[Peer], x: torch.Tensor, repeats: int, setting: dict)
     return rows
 
 
+def _train_step(module: nn.Module, x: torch.Tensor) -> None:
+    module.zero_grad(set_to_none=True)
+    x.grad = None
+    module(x).float().square().mean().backward()
+
+
 def _setting_label(setting: dict) -> str:
     if setting["kind"] == "soft":
-        return f"soft E={setting['experts']}"
+        return f"soft E={setting['experts']} S={setting['slots']}"
     return f"E={setting['experts']} k={setting['top_k']}"
 
 
@@ -250,7 +358,8 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     parser.add_argument("--dispatch", default="auto", choices=["auto", "loop", "padded", "grouped_mm"],
-                        help="force the experts' step (default: picked by device, dtype and size)")
+                        help="force the experts' step outside the layer part, which times them all (default: "
+                             "picked by device, dtype and size)")
     parser.add_argument("--json", help="also write the figures to this file")
     parser.add_argument("--only", choices=["layer", "soft", "model", "groups", "peers"], action="append")
     parser.add_argument("--peers", action="store_true",

@@ -5,12 +5,13 @@
 
 Weights are stacked (`fc1.weight: [E, H, C]`) and only ever used through batched ops: the per-expert loop
 takes views with `unbind(0)` once per forward, whose backward writes one stacked gradient (indexing
-`weight[e]` per expert would allocate a full-size gradient per expert). The expert step over the rows
-(sorted by expert, `counts[e]` rows for expert e) is picked by device, dtype and size (`Experts.dispatch`):
+`weight[e]` per expert would allocate a full-size gradient per expert). Three expert steps run the rows
+(sorted by expert, `counts[e]` rows for expert e), all the same function; `Experts.dispatch` forces one, and
+"auto" (the default) takes the one `dispatch.auto_step` picks for the device, dtype and sizes:
 
-    grouped_mm  CUDA, bf16, Hopper or newer: `F.grouped_mm` over the jagged segments, no host sync
-    padded      rows scattered into [E, max count, C] and two `bmm`s: small inputs on CPU, any other CUDA case
-    loop        one dense matmul per contiguous segment: large inputs on CPU, and GRN experts everywhere
+    grouped_mm  `F.grouped_mm` over the jagged segments, no host sync
+    padded      rows scattered into [E, max count, C] and two `bmm`s
+    loop        one dense matmul per contiguous segment; the only step for GRN experts (per-image norm)
 """
 
 from __future__ import annotations
@@ -21,12 +22,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .dispatch import auto_step
 from .routing import at_least_fp32
 
 GluOrder = Literal["act_first", "act_last"]  # act(a) * b (SwiGLU)  |  a * act(b) (timm GluMlp default)
 InnerNorm = Literal["none", "layernorm", "layernorm_before_act", "grn"]
 Dispatch = Literal["auto", "loop", "padded", "grouped_mm"]
-PADDED_MAX_ROWS = 4096  # CPU: below this many routed rows, one padded bmm beats E small matmuls
 
 
 class StackedLinear(nn.Module):
@@ -147,15 +148,13 @@ class Experts(nn.Module):
     dispatch: Dispatch = "auto"  # set on an instance (or the class) to force one expert step
 
     def strategy(self, x: torch.Tensor) -> str:
-        """The expert step for rows `x`: `dispatch` unless "auto", else by device, dtype and size."""
-        if self.dispatch != "auto" or self.needs_groups:
-            return "loop" if self.needs_groups else self.dispatch
-        if x.is_cuda:
-            hopper = torch.cuda.get_device_capability(x.device) >= (9, 0)
-            if x.dtype == torch.bfloat16 and hopper and hasattr(F, "grouped_mm") and self._aligned(x.element_size()):
-                return "grouped_mm"
-            return "padded"
-        return "padded" if x.shape[0] <= PADDED_MAX_ROWS else "loop"
+        """The expert step for rows `x`: `dispatch` unless "auto", else `auto_step`'s pick (GRN: the loop)."""
+        if self.needs_groups:
+            return "loop"
+        if self.dispatch != "auto":
+            return self.dispatch
+        training = torch.is_grad_enabled() and (x.requires_grad or self.fc1.weight.requires_grad)
+        return auto_step(x, self.local_experts, self._aligned(x.element_size()), training)
 
     def _aligned(self, element_size: int) -> bool:
         """grouped_mm kernels need every row stride to be a multiple of 16 bytes."""
@@ -203,6 +202,8 @@ class Experts(nn.Module):
 
         def linear(h, w, b):
             h = F.grouped_mm(h, w.transpose(-2, -1), offs=offsets)
+            if h.requires_grad:  # its backward refuses an expanded gradient (from a .sum()): make it dense
+                h.register_hook(torch.Tensor.contiguous)
             return h + b.index_select(0, expert) if b is not None else h
 
         rowwise = [None if p is None else p.index_select(0, expert) for p in (norm_w, norm_b)]

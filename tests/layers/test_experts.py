@@ -60,15 +60,45 @@ def test_no_rows_gives_an_empty_output(dispatch):
     assert bank(torch.zeros(0, 8), torch.zeros(4, dtype=torch.long)).shape == (0, 12)
 
 
-def test_auto_picks_padded_for_small_cpu_inputs_and_loop_for_large_or_grn():
-    from moespec.layers.experts import PADDED_MAX_ROWS
+def test_auto_picks_grouped_mm_for_few_rows_per_expert_and_the_loop_for_many():
+    from moespec.layers.dispatch import CPU_GROUPED_BELOW
 
-    bank = _bank("plain")
-    assert bank.strategy(torch.zeros(PADDED_MAX_ROWS, 8)) == "padded"
-    assert bank.strategy(torch.zeros(PADDED_MAX_ROWS + 1, 8)) == "loop"
+    bank = _bank("plain")  # 4 experts
+    for mode, crossover in CPU_GROUPED_BELOW.items():
+        x = torch.zeros(4 * crossover, 8)
+        with torch.set_grad_enabled(mode == "training"):  # grad mode off: no backward follows
+            assert bank.strategy(x[:-1]) == "grouped_mm", mode
+            assert bank.strategy(x) == "loop", mode
+    bank.requires_grad_(False)  # frozen experts, input without grad: inference even in grad mode
+    assert bank.strategy(torch.zeros(4 * CPU_GROUPED_BELOW["inference"], 8)) == "loop"
+    assert bank.strategy(torch.zeros(8, 8, dtype=torch.float64)) == "padded"  # grouped_mm takes no float64
+    odd = Experts(4, 7, 4, 12, act=nn.GELU())  # 7 fp32 values = 28 bytes: not 16-byte aligned for grouped_mm
+    assert odd.strategy(torch.zeros(8, 7)) == "padded"
+    bank.dispatch = "padded"
+    assert bank.strategy(torch.zeros(10_000, 8)) == "padded"  # a forced step is taken as is
     grn = Experts(2, 6, 5, 6, act=nn.GELU(), inner_norm="grn")
     grn.dispatch = "padded"  # GRN normalizes per image: only the loop knows the images
     assert grn.strategy(torch.zeros(8, 6)) == "loop"
+
+
+def test_auto_is_a_function_of_the_shapes_only():
+    """Same inputs, same step, so that a run is bit-reproducible: nothing is timed at run time."""
+    bank = _bank("plain")
+    x = torch.randn(300, 8)
+    counts = torch.tensor([100, 50, 100, 50])
+    first = bank(x, counts)
+    for _ in range(3):
+        assert torch.equal(bank(x, counts), first)
+
+
+@pytest.mark.parametrize("dispatch", ["loop", "padded", "grouped_mm"])
+def test_every_step_takes_an_expanded_output_gradient(dispatch):
+    """`.sum().backward()` sends a stride-0 gradient, which torch's grouped_mm backward refuses by itself."""
+    bank = _bank("plain")
+    bank.dispatch = dispatch
+    x = torch.randn(11, 8, requires_grad=True)
+    bank(x, torch.tensor([3, 0, 6, 2])).sum().backward()
+    assert x.grad.shape == (11, 8) and bank.fc1.weight.grad is not None
 
 
 def test_batched_equals_each_expert_on_its_own_rows():
