@@ -191,8 +191,9 @@ class Experts(nn.Module):
 
     def _stacked(self, x: torch.Tensor) -> torch.Tensor:
         """The experts stacked here (`local_experts`) on x [local_experts, M, C]."""
-        params = [p.unsqueeze(1) if p is not None and p.dim() == 2 else p for p in self._param_list()]
-        return self._expert(x, params, None)
+        w1, b1, norm_w, norm_b, w2, b2 = self._param_list()
+        norm = [p.unsqueeze(1) if p is not None else None for p in (norm_w, norm_b)]  # [E, 1, H]: per row
+        return self._expert(x, [w1, b1, *norm, w2, b2], None)
 
     def _grouped(self, x: torch.Tensor, counts: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
         """`F.grouped_mm` over the jagged segments (offsets stay on the device: no host sync); biases and norm
@@ -201,10 +202,7 @@ class Experts(nn.Module):
         w1, b1, norm_w, norm_b, w2, b2 = self._param_list()
 
         def linear(h, w, b):
-            h = F.grouped_mm(h, w.transpose(-2, -1), offs=offsets)
-            if h.requires_grad:  # its backward refuses an expanded gradient (from a .sum()): make it dense
-                h.register_hook(torch.Tensor.contiguous)
-            return h + b.index_select(0, expert) if b is not None else h
+            return ExpertLinear.apply(h, w, b, offsets, expert)
 
         rowwise = [None if p is None else p.index_select(0, expert) for p in (norm_w, norm_b)]
         return self._expert(x, [w1, b1, *rowwise, w2, b2], None, linear=linear)
@@ -256,12 +254,50 @@ class Experts(nn.Module):
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """F.linear for one expert (weight [H, C]), or a batched linear for all experts (x [E, M, C], weight
-    [E, H, C], bias [E, 1, H])."""
+    [E, H, C], bias [E, H])."""
     if weight.dim() == 2:
         return F.linear(x, weight, bias)
-    if bias is None:
-        return torch.bmm(x, weight.transpose(1, 2))
-    return torch.baddbmm(bias, x, weight.transpose(1, 2))
+    return ExpertLinear.apply(x, weight, bias, None, None)
+
+
+class ExpertLinear(torch.autograd.Function):
+    """Every expert's linear map at once, `x @ weight[e].T + bias[e]`, over a padded batch (x [E, M, C], two
+    `bmm`s) or over jagged segments (x [S, C], `F.grouped_mm` at `offsets`, `expert` [S] the expert of each row).
+
+    Its backward writes the weight gradient in the weight's own layout [E, H, C]. Through plain autograd,
+    `bmm(x, weight.transpose(1, 2))` yields a transposed gradient, which AccumulateGrad copies into the
+    weight's layout: one more pass over every expert's weights per backward, as much as the matmuls for a
+    few rows per expert. The output gradient is made dense first (torch's own grouped_mm backward refuses
+    the stride-0 gradient of a `.sum()`).
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, offsets, expert):
+        ctx.save_for_backward(x, weight, offsets, expert)
+        ctx.has_bias = bias is not None
+        if offsets is None:
+            if bias is None:
+                return torch.bmm(x, weight.transpose(1, 2))
+            return torch.baddbmm(bias.unsqueeze(1), x, weight.transpose(1, 2))
+        y = F.grouped_mm(x, weight.transpose(1, 2), offs=offsets)
+        return y + bias.index_select(0, expert) if bias is not None else y
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, offsets, expert = ctx.saved_tensors
+        grad = grad.contiguous()
+        need_x, need_weight, need_bias = ctx.needs_input_grad[:3]
+        grad_x = grad_weight = grad_bias = None
+        if offsets is None:
+            grad_x = torch.bmm(grad, weight) if need_x else None
+            grad_weight = torch.bmm(grad.transpose(1, 2), x) if need_weight else None
+            grad_bias = grad.sum(1) if ctx.has_bias and need_bias else None
+        else:
+            grad_x = F.grouped_mm(grad, weight, offs=offsets) if need_x else None
+            grad_weight = F.grouped_mm(grad.t(), x, offs=offsets) if need_weight else None  # [E, H, C]; 0 if no rows
+            if ctx.has_bias and need_bias:
+                grad_bias = grad.new_zeros(weight.shape[0], weight.shape[1]).index_add_(0, expert, grad)
+        return grad_x, grad_weight, grad_bias, None, None
 
 
 def _layer_norm(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
