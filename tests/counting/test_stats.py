@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 import moespec
 
 from ..conftest import SPECS_DIR
@@ -49,6 +51,26 @@ def test_dense_specs_count_the_backbone():
         assert s.total_params == s.activated_params == s.dense_params and s.moe_layers == 0
 
 
+@pytest.mark.slow  # traces ViT-H/14 six times: about 30 s
+def test_softmoe_h14_params_against_a_hand_calculation_and_the_paper():
+    """Soft MoE H/14 (Puigcerver et al., "From Sparse to Soft Mixtures of Experts"): 16 MoE layers of 128 or 256
+    experts with one slot each; the paper gives about 27.3B and 54.1B parameters."""
+    dim, hidden = 1280, 5120
+    expert = 2 * dim * hidden + hidden + dim  # fc1 + fc2, weights and biases: 13,113,600, the dense Mlp
+    block = 2 * 2 * dim + (dim * 3 * dim + 3 * dim) + (dim * dim + dim) + expert  # 2 LayerNorms, qkv, proj, mlp
+    dense = (3 * 14 * 14 * dim + dim) + dim + 257 * dim + 32 * block + 2 * dim + (dim * 1000 + 1000)
+    for name, experts, golden, paper in (("softmoe_h14_e128_half", 128, 27_281_502_456, 27.3e9),
+                                         ("softmoe_h14_e256_half", 256, 54_140_776_696, 54.1e9),
+                                         ("softmoe_h14_e128_every2", 128, 27_281_502_456, 27.3e9)):
+        s = moespec.stats(moespec.load_spec(SPECS_DIR / f"{name}.yaml"))
+        assert s.dense_params == dense == 632_045_800
+        # each MoE layer: the dense Mlp becomes E experts, Phi (dim x E slots) and Soft MoE's scale; all activated
+        total = dense + 16 * (experts * expert + dim * experts + 1 - expert)
+        assert s.total_params == s.activated_params == total == golden, name
+        assert (s.moe_layers, s.experts_total) == (16, 16 * experts)
+        assert round(s.total_params, -8) == paper
+
+
 def test_meta_build_counts_the_same_parameters_as_a_real_build():
     """stats() never materializes experts; its counts must equal those of a real build."""
     for name in ("convnext_t_moe4_last2_top1.yaml", "dinov2_s14_image_e4_last3_shared.yaml", "sparse_mlp_s.yaml"):
@@ -58,3 +80,4 @@ def test_meta_build_counts_the_same_parameters_as_a_real_build():
         assert s.total_params == sum(p.numel() for p in real.parameters()), name
         meta = moespec.create_model(spec, device="meta")
         assert sum(p.numel() for p in meta.parameters()) == s.total_params, name
+
