@@ -75,7 +75,8 @@ class MacCount:
 
 
 def count_macs(model: nn.Module, input_size: tuple[int, int, int]) -> MacCount:
-    """Count MACs of `model` on one image of `input_size` (eval mode, real weights needed for the trace)."""
+    """Count MACs of `model` on one image of `input_size` (eval mode). The trace runs the forward, so parameters
+    need real tensors, though not real values: `create_weightless_backbone`'s zero-stride views will do."""
     layers = {name: m for name, m in model.named_modules() if isinstance(m, MOE_LAYERS)}
     was_training = model.training
     model.eval()

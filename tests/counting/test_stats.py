@@ -110,3 +110,17 @@ def test_stats_frees_the_models_it_builds(monkeypatch):
     finally:
         gc.enable()
 
+
+def test_stats_allocates_no_weights(monkeypatch):
+    """The dense backbone that stats traces has zero-stride views for parameters, its MoE layers are on the meta
+    device: a spec of billions of parameters costs no weight memory."""
+    weightless = []
+
+    def count_macs(model, input_size):
+        weightless.append(all(p.device.type == "meta" or p.untyped_storage().nbytes() == p.element_size()
+                              for p in model.parameters()))
+        return flops.count_macs(model, input_size)
+
+    monkeypatch.setattr(sys.modules["moespec.counting.stats"], "count_macs", count_macs)
+    moespec.stats(make_spec(TINY_VIT, [{"where": {"every": 1}, "experts": 4, "top_k": 2}]))
+    assert weightless == [True, True]  # the dense backbone, then the compiled model
