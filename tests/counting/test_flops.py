@@ -61,6 +61,7 @@ DENSE = {
     "vit_small_patch16_224": vit(384, 12, 16),
     "vit_base_patch16_224": vit(768, 12, 16),  # 86.6M, 17.6 GMACs (fvcore 16.87 + attention 0.72)
     "vit_large_patch16_224": vit(1024, 24, 16),  # 304.3M, 61.6 GMACs
+    "vit_huge_patch14_224": vit(1280, 32, 14),  # 632.0M, 167.4 GMACs
     "vit_small_patch14_dinov2": vit(384, 12, 14, layerscale=True),  # at img_size 224: 257 tokens
     "vit_small_patch16_224@14": vit(384, 12, 14),  # ViT-S with patch_size 14
     "convnext_tiny": (28_589_128, 4.47e9),
@@ -106,6 +107,9 @@ EXPECTED = {
     "softmoe_b16_e128_half": ("vit_base_patch16_224", _layers(6, "soft", 768, 197, 128)),
     "softmoe_l16_e128_half": ("vit_large_patch16_224", _layers(12, "soft", 1024, 197, 128)),
     "softmoe_s14_e256_half": ("vit_small_patch16_224@14", _layers(6, "soft", 384, 257, 256)),
+    "softmoe_h14_e128_half": ("vit_huge_patch14_224", _layers(16, "soft", 1280, 257, 128)),
+    "softmoe_h14_e256_half": ("vit_huge_patch14_224", _layers(16, "soft", 1280, 257, 256)),
+    "softmoe_h14_e128_every2": ("vit_huge_patch14_224", _layers(16, "soft", 1280, 257, 128)),  # blocks 1, 3, .., 31
 }
 
 

@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
-import moespec
+import gc
+import sys
+import weakref
 
-from ..conftest import SPECS_DIR
+import pytest
+
+import moespec
+from moespec.counting import flops
+
+from ..conftest import SPECS_DIR, TINY_CONVNEXT, TINY_VIT, make_spec
 
 
 def _vit_s16_dense() -> int:
@@ -49,6 +56,26 @@ def test_dense_specs_count_the_backbone():
         assert s.total_params == s.activated_params == s.dense_params and s.moe_layers == 0
 
 
+@pytest.mark.slow  # traces ViT-H/14 six times: about 30 s
+def test_softmoe_h14_params_against_a_hand_calculation_and_the_paper():
+    """Soft MoE H/14 (Puigcerver et al., "From Sparse to Soft Mixtures of Experts"): 16 MoE layers of 128 or 256
+    experts with one slot each; the paper gives about 27.3B and 54.1B parameters."""
+    dim, hidden = 1280, 5120
+    expert = 2 * dim * hidden + hidden + dim  # fc1 + fc2, weights and biases: 13,113,600, the dense Mlp
+    block = 2 * 2 * dim + (dim * 3 * dim + 3 * dim) + (dim * dim + dim) + expert  # 2 LayerNorms, qkv, proj, mlp
+    dense = (3 * 14 * 14 * dim + dim) + dim + 257 * dim + 32 * block + 2 * dim + (dim * 1000 + 1000)
+    for name, experts, golden, paper in (("softmoe_h14_e128_half", 128, 27_281_502_456, 27.3e9),
+                                         ("softmoe_h14_e256_half", 256, 54_140_776_696, 54.1e9),
+                                         ("softmoe_h14_e128_every2", 128, 27_281_502_456, 27.3e9)):
+        s = moespec.stats(moespec.load_spec(SPECS_DIR / f"{name}.yaml"))
+        assert s.dense_params == dense == 632_045_800
+        # each MoE layer: the dense Mlp becomes E experts, Phi (dim x E slots) and Soft MoE's scale; all activated
+        total = dense + 16 * (experts * expert + dim * experts + 1 - expert)
+        assert s.total_params == s.activated_params == total == golden, name
+        assert (s.moe_layers, s.experts_total) == (16, 16 * experts)
+        assert round(s.total_params, -8) == paper
+
+
 def test_meta_build_counts_the_same_parameters_as_a_real_build():
     """stats() never materializes experts; its counts must equal those of a real build."""
     for name in ("convnext_t_moe4_last2_top1.yaml", "dinov2_s14_image_e4_last3_shared.yaml", "sparse_mlp_s.yaml"):
@@ -58,3 +85,42 @@ def test_meta_build_counts_the_same_parameters_as_a_real_build():
         assert s.total_params == sum(p.numel() for p in real.parameters()), name
         meta = moespec.create_model(spec, device="meta")
         assert sum(p.numel() for p in meta.parameters()) == s.total_params, name
+
+
+def test_stats_frees_the_models_it_builds(monkeypatch):
+    """Memory does not pile up over specs: once `stats` returns, no module or weight it built is alive, even with
+    CPython's automatic cycle collection off (fx's tracer and the compiled model hold them in reference cycles),
+    so `moespec stats a b c` peaks at its largest spec, not at their sum."""
+    built = []  # every module and parameter of the models stats traces: the dense backbone and the compiled one
+
+    def count_macs(model, input_size):
+        built.extend(weakref.ref(x) for x in (*model.modules(), *model.parameters()))
+        return flops.count_macs(model, input_size)
+
+    monkeypatch.setattr(sys.modules["moespec.counting.stats"], "count_macs", count_macs)
+    specs = [make_spec(TINY_VIT, [{"where": {"every": 1}, "experts": 4, "top_k": 2}]),
+             make_spec(TINY_CONVNEXT, [{"where": {"last": 2}, "experts": 4}])]
+    gc.collect()
+    gc.disable()  # deterministic: only what `stats` itself frees is freed
+    try:
+        for spec in specs:
+            moespec.stats(spec)
+            alive = [type(ref()).__name__ for ref in built if ref() is not None]
+            assert built and not alive, f"{len(alive)} of {len(built)} still alive: {sorted(set(alive))}"
+    finally:
+        gc.enable()
+
+
+def test_stats_allocates_no_weights(monkeypatch):
+    """The dense backbone that stats traces has zero-stride views for parameters, its MoE layers are on the meta
+    device: a spec of billions of parameters costs no weight memory."""
+    weightless = []
+
+    def count_macs(model, input_size):
+        weightless.append(all(p.device.type == "meta" or p.untyped_storage().nbytes() == p.element_size()
+                              for p in model.parameters()))
+        return flops.count_macs(model, input_size)
+
+    monkeypatch.setattr(sys.modules["moespec.counting.stats"], "count_macs", count_macs)
+    moespec.stats(make_spec(TINY_VIT, [{"where": {"every": 1}, "experts": 4, "top_k": 2}]))
+    assert weightless == [True, True]  # the dense backbone, then the compiled model
