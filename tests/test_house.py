@@ -134,6 +134,12 @@ def test_lazy_imports_only_defer_real_cost():
     assert lazy == []
 
 
+def test_the_package_the_cli_and_the_router_kinds_import_no_torch():
+    """What `import moespec`, `moespec --help` and validating YAML load (tests/test_cli_imports.py runs them)."""
+    light = ["moespec", "moespec.cli", "moespec.spec", "moespec.routers"]
+    assert [name for name in light if name in _heavy_modules()] == []
+
+
 def test_only_router_kind_files_branch_on_a_router_kind():
     """Stages ask the RouterKind entry (`layer.kind.caveats(...)`); no module outside `routers/` compares a
     router's kind with a name, and only `routers/` spells the kinds' names (the spec also names its default)."""
