@@ -6,18 +6,47 @@ One subpackage per stage, in dependency order: `spec`, `backbones`, `planning`, 
 `counting`, `apps`; `layers` holds the modules, `routers` one file per router kind.
 """
 
-from . import routers  # noqa: F401  (registers the built-in router kinds before any spec is validated)
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from . import routers  # noqa: F401  (registers the built-in router kinds before any spec is validated; no torch)
 from ._version import __version__ as __version__  # re-exported: moespec.__version__
-from .apps.timm_registry import register_timm
-from .compiler import create_model, moe_layers
-from .counting import stats
 from .errors import CheckpointError, MoespecError, SpecError
-from .layers.moe import aux_loss, follow_grad_scaler
-from .planning import Plan, plan
 from .spec import Spec, load_spec
-from .weights import load, save, upcycle, upcycle_to_checkpoint
+
+# The rest of the public API imports torch and timm: seconds that `moespec --help`, `moespec schema` and reading a
+# spec should not pay. It is imported on first use (PEP 562: `__getattr__` below), so `from moespec import
+# create_model` works as before; type checkers and IDEs see the names through the TYPE_CHECKING imports.
+if TYPE_CHECKING:
+    from .apps.timm_registry import register_timm
+    from .compiler import create_model, moe_layers
+    from .counting import stats
+    from .layers.moe import aux_loss, follow_grad_scaler
+    from .planning import Plan, plan
+    from .weights import load, save, upcycle, upcycle_to_checkpoint
+
+_LAZY = {
+    "register_timm": "apps.timm_registry", "create_model": "compiler", "moe_layers": "compiler", "stats": "counting",
+    "aux_loss": "layers.moe", "follow_grad_scaler": "layers.moe", "Plan": "planning", "plan": "planning",
+    "load": "weights", "save": "weights", "upcycle": "weights", "upcycle_to_checkpoint": "weights",
+}
+"""Public name -> the subpackage (relative to moespec) that defines it."""
 
 __all__ = [
     "CheckpointError", "MoespecError", "Plan", "Spec", "SpecError", "aux_loss", "create_model", "follow_grad_scaler",
     "load", "load_spec", "moe_layers", "plan", "register_timm", "save", "stats", "upcycle", "upcycle_to_checkpoint",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    globals()[name] = value  # later lookups skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -16,17 +16,12 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from . import create_model, load_spec, plan, save, stats, upcycle_to_checkpoint
-from .apps.inspect_report import check_report_folder, write_report
-from .apps.inspection import find_images, inspect_routing, load_model
-from .apps.plots import check_figure_path, require_matplotlib
-from .apps.sweep import MAX_POINTS, check_grid_size, parse_setting, sweep
-from .apps.sweep import plot as draw
-from .counting import FORMATS, per_rank, plan_table, rank_summary, render
+from .choices import MAX_POINTS, PRECISIONS, STATS_FORMATS
 from .errors import MoespecError, SpecError
-from .io import DTYPE_NAMES, check_output, checkpoint_files, index_file, parse_size
-from .spec import json_schema_text, spec_files
-from .weights import check_seed
+from .spec import json_schema_text, load_spec, spec_files
+
+# Each command imports the stages it needs beyond the spec inside its body: they import torch and timm, seconds
+# that `moespec --help` and `moespec schema` should not pay (tests/test_cli_imports.py).
 
 app = typer.Typer(
     name="moespec",
@@ -86,6 +81,7 @@ def validate(specs: List[Path] = typer.Argument(..., help="Spec files or folders
     """Check specs against the schema and their timm backbones; report every problem."""
 
     def body() -> int:
+        from .planning import plan
         failed = 0
         for file in spec_files(specs):
             try:
@@ -110,6 +106,8 @@ def plan_command(spec: Path = typer.Argument(..., help="Spec file."),
     """Show which FFNs become MoE layers, with their widths, experts, k and router."""
 
     def body() -> None:
+        from .counting import per_rank, plan_table, rank_summary, stats
+        from .planning import plan
         loaded = load_spec(spec)
         p = plan(loaded)
         out.print(p.summary(), markup=False, soft_wrap=True)
@@ -135,6 +133,10 @@ def compile_command(
     """Build the MoE model with random weights and save it (spec embedded)."""
 
     def body() -> None:
+        from .compiler import create_model
+        from .io import check_output, checkpoint_files, index_file, parse_size
+        from .weights import check_seed, save
+
         limit = parse_size(max_shard_size, "--max-shard-size")
         check_seed(seed, "--seed")
         check_output(output, force)
@@ -150,8 +152,8 @@ def compile_command(
     _run(body)
 
 
-DType = Enum("DType", {name: name for name in DTYPE_NAMES}, type=str)
-"""`--dtype` choices: the names of `io.DTYPE_NAMES`."""
+DType = Enum("DType", {name: name for name in PRECISIONS}, type=str)
+"""`--dtype` choices: the names of `choices.PRECISIONS` (`io.DTYPE_NAMES` maps them to torch dtypes)."""
 
 
 @contextlib.contextmanager
@@ -185,6 +187,9 @@ def upcycle_command(
     """Build the MoE model with experts copied from a dense checkpoint and save it, one layer at a time."""
 
     def body() -> None:
+        from .io import DTYPE_NAMES, check_output, parse_size
+        from .weights import check_seed, upcycle_to_checkpoint
+
         limit = parse_size(max_shard_size, "--max-shard-size")
         check_seed(seed, "--seed")
         check_output(output, force)
@@ -203,8 +208,8 @@ def upcycle_command(
     _run(body)
 
 
-Format = Enum("Format", {name: name for name in FORMATS}, type=str)
-"""`--format` choices: the renderers of `counting.render`."""
+Format = Enum("Format", {name: name for name in STATS_FORMATS}, type=str)
+"""`--format` choices: the renderers of `counting.render`, `choices.STATS_FORMATS`."""
 
 
 @app.command("stats")
@@ -223,6 +228,7 @@ def stats_command(
     """
 
     def body() -> int:
+        from .counting import per_rank, render, stats
         if ranks is not None and per_layer:
             raise MoespecError("--ranks adds per-spec columns; it does not combine with --per-layer")
         records, splits, failed = [], [], 0
@@ -272,6 +278,11 @@ def sweep_command(
     """
 
     def body() -> int:
+        from .apps.plots import check_figure_path, require_matplotlib
+        from .apps.sweep import check_grid_size, parse_setting, sweep
+        from .apps.sweep import plot as draw
+        from .counting import render
+
         parsed = [parse_setting(text) for text in settings]
         check_grid_size(parsed, max_points)
         if plot is not None:
@@ -314,6 +325,11 @@ def inspect_command(
     """Route labelled images through the model and show, per MoE layer, which experts each class uses."""
 
     def body() -> None:
+        from .apps.inspect_report import check_report_folder, write_report
+        from .apps.inspection import find_images, inspect_routing, load_model
+        from .apps.plots import require_matplotlib
+        from .io import check_output
+
         require_matplotlib("moespec inspect")
         check_output(output, force, folder=True)
         check_report_folder(output, [images, source, spec])

@@ -13,12 +13,16 @@ from moespec.spec import ROUTER_KINDS
 
 PACKAGE = Path(moespec.__file__).parent
 
-STAGES = ["errors", "_version", "io", "layers", "spec", "routers", "backbones", "planning", "compiler", "weights",
-          "distributed", "counting", "apps", "cli", "__init__"]
+STAGES = ["errors", "_version", "choices", "io", "layers", "spec", "routers", "backbones", "planning", "compiler",
+          "weights", "distributed", "counting", "apps", "cli", "__init__"]
 """Lowest first. A module may import its own stage and the stages before it, never one after it."""
 
 LAZY_ALLOWED = {"matplotlib"}
-"""Imports inside functions defer real cost only here: matplotlib is optional and slow to import."""
+"""Imports inside functions defer real cost here: matplotlib is optional and slow to import."""
+
+HEAVY = {"torch", "timm", "fvcore"}
+"""Seconds to import. A module free of them may import them (or a moespec module that imports them) inside the
+functions that use them: the CLI's commands, the router kinds' builders (`moespec --help`, `moespec schema`)."""
 
 
 def _modules() -> dict[str, Path]:
@@ -27,12 +31,14 @@ def _modules() -> dict[str, Path]:
 
 
 def _imports(name: str, path: Path) -> list[tuple[str, ast.AST, bool]]:
-    """(imported moespec module or package, node, inside a function?) for every import of `name`."""
+    """(imported moespec module or package, node, deferred?) for every import of `name`; deferred: inside a
+    function or under `if TYPE_CHECKING:`, not run when `name` is imported."""
     modules = _modules()
     package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
     found = []
     tree = ast.parse(path.read_text())
     nested = {id(n) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+              or isinstance(f, ast.If) and isinstance(f.test, ast.Name) and f.test.id == "TYPE_CHECKING"
               for n in ast.walk(f)}
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -63,6 +69,19 @@ def _graph() -> dict[str, set[str]]:
             if target and target != name and target != "moespec":
                 graph[name].add(target)
     return graph
+
+
+def _heavy_modules() -> set[str]:
+    """The moespec modules whose import imports a HEAVY package: directly, through another module, or through
+    an enclosing package's __init__."""
+    modules = _modules()
+    runs = {name: {target for target, _, deferred in _imports(name, path) if not deferred} |
+            {name.rsplit(".", i)[0] for i in range(1, name.count(".") + 1)} for name, path in modules.items()}
+    heavy: set[str] = set()
+    while grown := {name for name, targets in runs.items() if name not in heavy
+                    and any(t.split(".")[0] in HEAVY or t in heavy for t in targets)}:
+        heavy |= grown
+    return heavy
 
 
 def test_every_module_belongs_to_a_stage():
@@ -107,10 +126,18 @@ def test_the_spec_stage_imports_neither_torch_nor_timm():
 
 
 def test_lazy_imports_only_defer_real_cost():
+    heavy = _heavy_modules()
     lazy = [f"{name}:{node.lineno}: {target}" for name, path in _modules().items()
-            for target, node, inside in _imports(name, path)
-            if inside and target.split(".")[0] not in LAZY_ALLOWED]
+            for target, node, deferred in _imports(name, path)
+            if deferred and target.split(".")[0] not in LAZY_ALLOWED
+            and not (name not in heavy and (target.split(".")[0] in HEAVY or target in heavy))]
     assert lazy == []
+
+
+def test_the_package_the_cli_and_the_router_kinds_import_no_torch():
+    """What `import moespec`, `moespec --help` and validating YAML load (tests/test_cli_imports.py runs them)."""
+    light = ["moespec", "moespec.cli", "moespec.spec", "moespec.routers"]
+    assert [name for name in light if name in _heavy_modules()] == []
 
 
 def test_only_router_kind_files_branch_on_a_router_kind():

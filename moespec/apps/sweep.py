@@ -22,16 +22,13 @@ from typing import Any, Callable, Sequence
 
 import yaml
 
+from ..choices import MAX_POINTS
 from ..counting import SpecStats, stats
 from ..counting.report import show
 from ..errors import MoespecError, SpecError, did_you_mean
 from ..spec import allowed_keys, load_spec, read_document
 from ..spec.yaml_limits import BoundedLoader
 from .plots import save_figure, sweep_figure
-
-MAX_POINTS = 256
-"""Grid points a sweep counts unless told more (`--max-points`): ten values in each of five `--set`s are 100,000
-points, hours of counting, better asked for on purpose."""
 
 
 @dataclass(frozen=True)

@@ -6,9 +6,10 @@
     report.py  records (and plans) as a table, Markdown, CSV or JSON
 """
 
+from ..choices import STATS_FORMATS as FORMATS  # the renderers of `report.render`
 from .flops import FLOP_HANDLES, MacCount, count_macs, register_flop_handle
 from .ranks import RankStats, per_rank
-from .report import FORMATS, plan_table, rank_summary, render
+from .report import plan_table, rank_summary, render
 from .stats import LayerStats, SpecStats, count_params, stats
 
 __all__ = ["FLOP_HANDLES", "FORMATS", "LayerStats", "MacCount", "RankStats", "SpecStats", "count_macs", "count_params",

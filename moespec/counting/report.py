@@ -17,8 +17,6 @@ from ..planning import Plan
 from .ranks import TRAIN_BYTES_PER_PARAM, RankStats
 from .stats import SpecStats
 
-FORMATS = ("table", "markdown", "csv", "json")
-
 SPEC_COLUMNS = ("name", "backbone", "MoE layers", "experts (all layers)", "params (M)", "activated (M)", "GMACs",
                 "dense params (M)", "dense GMACs")
 LAYER_COLUMNS = ("name", "module", "experts", "k", "shared", "items", "params (M)", "activated (M)", "GMACs",
@@ -73,8 +71,8 @@ def rank_summary(r: RankStats) -> str:
 
 def render(records: Sequence[SpecStats], format: str, per_layer: bool = False,
            settings: Sequence[dict[str, Any]] | None = None, ranks: Sequence[RankStats] | None = None) -> str:
-    """The records in `format` (one of FORMATS) as text. `settings` (one mapping per record, the same keys
-    in each, e.g. the swept values of `moespec sweep`) adds a column per key after the name, and a
+    """The records in `format` (one of `choices.STATS_FORMATS`) as text. `settings` (one mapping per record, the
+    same keys in each, e.g. the swept values of `moespec sweep`) adds a column per key after the name, and a
     "settings" entry to each JSON record. `ranks` (one `RankStats` per record; not with `per_layer`) adds the
     per-rank columns at the end, and a "per_rank" entry to each JSON record."""
     if ranks is not None and per_layer:

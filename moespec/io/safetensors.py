@@ -13,6 +13,7 @@ from typing import Callable, Mapping, Sequence
 import torch
 from safetensors import SafetensorError, safe_open
 
+from ..choices import PRECISIONS
 from ..errors import CheckpointError
 
 SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -33,8 +34,9 @@ torch cannot cast) nor F6_E2M3 / F6_E3M2 (no torch dtype)."""
 MAX_HEADER_BYTES = 100_000_000
 """The safetensors library's own cap on a header (MAX_HEADER_SIZE): no longer header is ever read."""
 
-DTYPE_NAMES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-"""The precisions a checkpoint may be written in, by the names the CLI takes (`--dtype bf16`)."""
+DTYPE_NAMES = {name: getattr(torch, dtype) for name, dtype in PRECISIONS.items()}
+"""The precisions a checkpoint may be written in, by the names the CLI takes (`--dtype bf16`): `choices.PRECISIONS`
+as torch dtypes."""
 
 
 def read_safetensors_header(path: str | Path) -> tuple[dict, int]:

@@ -3,6 +3,10 @@ upcycling caveats, activated-parameter rule and what `moespec inspect` counts. I
 registers the built-in kinds; a new kind is one more file and one `register_router_kind` call (README,
 "Extending").
 
+Registering needs only pydantic: the built-in kinds import torch and `moespec.layers` inside the functions that
+build modules or tally an inspection, so that validating YAML, `moespec schema` and `moespec --help` do not pay
+the seconds torch takes to import.
+
     topk.py  token choice top-k     expert_choice.py  expert choice     image.py  image-level     soft.py  Soft MoE
     hash.py  the hash router (Roller et al. 2021), opt-in: the README's worked example of a new kind
 """

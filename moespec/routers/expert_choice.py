@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Literal
 
-from ..layers import ExpertChoiceRouter
 from ..spec.fields import PositiveFloat
 from ..spec.registry import Inspection, RouterKind, RouterSpec, register_router_kind
 from .gates import (
@@ -34,6 +33,8 @@ class ExpertChoiceRouterSpec(RouterSpec):
 
 
 def build(router: dict, layer: Any, experts, shared):
+    from ..layers import ExpertChoiceRouter  # torch: deferred (routers/__init__)
+
     gate = build_gate(router["gate"], layer.in_features, layer.experts)
     module = ExpertChoiceRouter(gate, layer.experts, capacity=router["capacity"],
                                 group=images_per_group(router["group"]))

@@ -6,14 +6,16 @@ compare with learned per-expert codes (X-MoE, Chi et al. 2022).
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Optional, Union
+from typing import TYPE_CHECKING, Annotated, Any, Literal, Optional, Union
 
-import torch
 from pydantic import BeforeValidator, model_validator
-from torch import nn
 
-from ..layers import Experts, LinearGate, MoE, ProjectedGate
 from ..spec.fields import IntRange, PositiveFloat, SpecModel
+
+if TYPE_CHECKING:  # torch and the layers are imported where used (see routers/__init__)
+    from torch import nn
+
+    from ..layers import Experts, MoE
 
 DEFAULT_GATE_DIM, DEFAULT_TEMPERATURE = 16, 0.07  # cosine / l2 gates (X-MoE, Chi et al. 2022)
 MAX_GATE_DIM = 65_536
@@ -63,6 +65,8 @@ def describe_group(router: dict) -> str:
 
 def build_gate(gate: dict, dim: int, experts: int) -> nn.Module:
     """The gate module of a plan's `gate` (linear, cosine or l2) over items of width `dim`."""
+    from ..layers import LinearGate, ProjectedGate  # torch: deferred (routers/__init__)
+
     if gate["kind"] == "linear":
         return LinearGate(dim, experts)
     return ProjectedGate(dim, experts, proj_dim=gate["dim"] or DEFAULT_GATE_DIM,
@@ -76,6 +80,8 @@ def describe_gate(kind: str, router: dict) -> str:
 
 def sparse_moe(router: nn.Module, layer: Any, experts: Experts, shared: Experts | None) -> MoE:
     """The sparse MoE layer of a `planning.LayerPlan` around a router module."""
+    from ..layers import MoE  # torch: deferred (routers/__init__)
+
     return MoE(router, experts, shared, channels_dim=layer.channels_dim, aux_loss_weights=dict(layer.aux_loss_weights),
                aux_loss_in_backward=layer.aux_loss_in_backward, aux_loss_backward_scale=layer.aux_loss_backward_scale)
 
@@ -83,6 +89,8 @@ def sparse_moe(router: nn.Module, layer: Any, experts: Experts, shared: Experts 
 def routed_pairs(moe: MoE) -> tuple[Any, float]:
     """Inspection of a sparse layer's last forward: [B, E] (item, expert) pairs per image, and the items no
     expert took."""
+    import torch  # torch: deferred (routers/__init__)
+
     routing, images = moe.last_routing, moe.last_images
     per_image = moe.last_items // images
     expert = torch.repeat_interleave(torch.arange(moe.num_experts), routing.counts.cpu())

@@ -6,7 +6,6 @@ from __future__ import annotations
 from typing import Any, ClassVar, Literal, Optional
 
 from ..errors import Problem, SpecError
-from ..layers import ImageRouter
 from ..spec.registry import Inspection, RouterKind, RouterSpec, register_router_kind
 from .gates import Gate, GateField, build_gate, routed_pairs, sparse_moe
 
@@ -36,6 +35,8 @@ def resolve(router: dict, model: Any, name: str) -> dict:
 
 
 def build(router: dict, layer: Any, experts, shared):
+    from ..layers import ImageRouter  # torch: deferred (routers/__init__)
+
     gate = build_gate(router["gate"], layer.in_features, layer.experts)
     module = ImageRouter(gate, layer.experts, layer.top_k, normalize=router["normalize"], pool=router["pool"])
     return sparse_moe(module, layer, experts, shared)

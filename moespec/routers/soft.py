@@ -3,13 +3,15 @@ of a sequence, every output token a convex combination of all slots. Nothing is 
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
-import torch
-
-from ..layers import SoftMoE
 from ..spec.fields import IntRange
 from ..spec.registry import Inspection, RouterKind, RouterSpec, register_router_kind
+
+if TYPE_CHECKING:  # torch and the layers are imported where used (see routers/__init__)
+    import torch
+
+    from ..layers import SoftMoE
 
 MAX_SLOTS_PER_EXPERT = 65_536
 """Soft MoE slots per expert: a single expert with one slot per token of a 4,096 px image in 16 px patches;
@@ -31,6 +33,8 @@ class SoftRouterSpec(RouterSpec):
 
 
 def build(router: dict, layer: Any, experts, shared):
+    from ..layers import SoftMoE  # torch: deferred (routers/__init__)
+
     return SoftMoE(experts, router["slots_per_expert"], shared, channels_dim=layer.channels_dim)
 
 

@@ -7,7 +7,6 @@ from typing import Annotated, Any, ClassVar, Literal, Union
 
 from pydantic import Field
 
-from ..layers import TopKRouter
 from ..spec.fields import NonNegativeFloat
 from ..spec.registry import Inspection, RouterKind, RouterSpec, register_router_kind
 from .gates import (
@@ -53,6 +52,8 @@ class TopKRouterSpec(RouterSpec):
 
 
 def build(router: dict, layer: Any, experts, shared):
+    from ..layers import TopKRouter  # torch: deferred (routers/__init__)
+
     noise = 1.0 / layer.experts if router["noise"] is True else float(router["noise"])
     module = TopKRouter(build_gate(router["gate"], layer.in_features, layer.experts), layer.experts, layer.top_k,
                         normalize=router["normalize"], noise_std=noise, capacity_factor=layer.capacity_factor,

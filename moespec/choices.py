@@ -1,0 +1,17 @@
+"""Named choices and limits that the stages take and the CLI's options list in `--help`.
+
+They live here, free of torch, so that the CLI can declare its options without importing the stages that use
+them (`moespec --help` would pay seconds for torch and timm); those stages import them from here, the one
+source.
+"""
+
+PRECISIONS = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+"""The precisions a checkpoint may be written in: the names the CLI takes (`--dtype bf16`) -> the torch dtype's
+name. `io.DTYPE_NAMES` maps them to the torch dtypes."""
+
+STATS_FORMATS = ("table", "markdown", "csv", "json")
+"""What `counting.render` writes stats records as (`--format`)."""
+
+MAX_POINTS = 256
+"""Grid points a sweep counts unless told more (`--max-points`): ten values in each of five `--set`s are 100,000
+points, hours of counting, better asked for on purpose."""

@@ -1,0 +1,76 @@
+"""What the CLI's fast paths import: `import moespec`, `moespec --help`, `moespec schema` and reading a spec pay
+neither torch nor timm (seconds each); the public API still resolves every name, on first use.
+
+Each check runs in a fresh interpreter, since this one has imported torch long ago.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+import moespec
+
+REPORT = "import json, sys; print(json.dumps({m: m in sys.modules for m in ('torch', 'timm')}))"
+
+
+def imported_after(code: str) -> dict[str, bool]:
+    """Run `code` in a fresh interpreter; which of torch and timm it imported."""
+    done = subprocess.run([sys.executable, "-c", f"{code}\n{REPORT}"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+NO_TORCH = {"torch": False, "timm": False}
+
+
+@pytest.mark.parametrize("code", ["import moespec", "import moespec.cli", "from moespec import Spec, load_spec"])
+def test_importing_the_package_and_the_cli_imports_no_torch(code):
+    assert imported_after(code) == NO_TORCH
+
+
+@pytest.mark.parametrize("args", [["--help"], ["validate", "--help"], ["schema"]])
+def test_help_and_schema_import_no_torch(args):
+    code = (f"from moespec.cli import app\ntry:\n    app({args!r})\nexcept SystemExit as exit:\n"
+            f"    assert not exit.code, exit.code")
+    assert imported_after(code) == NO_TORCH
+
+
+def test_reading_a_spec_validates_router_kinds_without_torch():
+    """The built-in router kinds are registered by `import moespec.spec` alone, before any spec is validated:
+    an unknown kind is refused, and a known one gets its defaults."""
+    code = """
+from moespec.errors import SpecError
+from moespec.spec import load_spec
+group = {"where": {"every": 2}, "experts": 4}
+try:
+    load_spec({"backbone": {"model": "vit_small_patch16_224"}, "moe": [{**group, "router": {"kind": "nope"}}]})
+    raise SystemExit("an unknown router kind was accepted")
+except SpecError as error:
+    assert "nope" in str(error), error
+spec = load_spec({"backbone": {"model": "vit_small_patch16_224"}, "moe": [{**group, "router": {"kind": "soft"}}]})
+assert spec.moe[0].router.slots_per_expert == 1 and spec.moe[0].aux_loss == []
+"""
+    assert imported_after(code) == NO_TORCH
+
+
+def test_using_the_api_imports_torch_then():
+    assert imported_after("from moespec import create_model") == {"torch": True, "timm": True}
+
+
+def test_every_public_name_resolves():
+    for name in moespec.__all__:
+        assert getattr(moespec, name) is not None, name
+    assert set(moespec.__all__) <= set(dir(moespec))
+    assert moespec.create_model.__module__.startswith("moespec.compiler")
+    namespace: dict = {}
+    exec("from moespec import *", namespace)
+    assert set(moespec.__all__) <= set(namespace)
+
+
+def test_an_unknown_attribute_is_an_attribute_error():
+    with pytest.raises(AttributeError, match="no attribute 'create_modle'"):
+        moespec.create_modle  # noqa: B018
