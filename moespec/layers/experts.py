@@ -137,10 +137,10 @@ class Experts(nn.Module):
             [S, C'] expert outputs in the same order.
         """
         strategy = self.strategy(x)
-        if strategy == "loop":
-            return self._loop(x, counts.tolist(), groups)
         expert = torch.repeat_interleave(torch.arange(self.local_experts, device=x.device), counts,
                                          output_size=x.shape[0])  # expert of each row
+        if strategy == "loop":
+            return self._loop(x, counts, expert, groups)
         if strategy == "grouped_mm":
             return self._grouped(x, counts, expert)
         return self._padded(x, counts, expert)
@@ -161,21 +161,21 @@ class Experts(nn.Module):
         widths = (self.in_features, self.fc1.out_features, self.hidden, self.out_features)
         return all(width * element_size % 16 == 0 for width in widths)
 
-    def _loop(self, x: torch.Tensor, counts: Sequence[int], groups: torch.Tensor | None) -> torch.Tensor:
-        params = [self._unbind(p) for p in self._param_list()]
-        outputs = []
-        start = 0
-        for expert, count in enumerate(counts):
-            if count == 0:
-                continue
-            rows = slice(start, start + count)
-            segment_groups = groups[rows] if groups is not None else None
-            weights = [p[expert] if p is not None else None for p in params]
-            outputs.append(self._expert(x[rows], weights, segment_groups))
-            start += count
-        if not outputs:
-            return x.new_zeros(0, self.out_features)
-        return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
+    def _loop(self, x: torch.Tensor, counts: torch.Tensor, expert: torch.Tensor,
+              groups: torch.Tensor | None) -> torch.Tensor:
+        """One matmul per segment (`SegmentLinear`, one host sync for the counts); everything between the two
+        linears runs once over all rows, with norm parameters gathered per row. GRN's groups become (expert,
+        image) pairs, so that each expert normalizes over its own rows of each image."""
+        segments = counts.tolist()
+        w1, b1, norm_w, norm_b, w2, b2 = self._param_list()
+
+        def linear(h, w, b):
+            return SegmentLinear.apply(h, w, b, segments)
+
+        rowwise = [None if p is None else p.index_select(0, expert) for p in (norm_w, norm_b)]
+        if groups is not None:
+            groups = expert * (int(groups.max()) + 1 if groups.numel() else 1) + groups
+        return self._expert(x, [w1, b1, *rowwise, w2, b2], groups, linear=linear)
 
     def _padded(self, x: torch.Tensor, counts: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
         """Rows scattered into a zero-padded [E, M, C] batch (M = the largest segment), batched expert, gathered
@@ -298,6 +298,52 @@ class ExpertLinear(torch.autograd.Function):
             if ctx.has_bias and need_bias:
                 grad_bias = grad.new_zeros(weight.shape[0], weight.shape[1]).index_add_(0, expert, grad)
         return grad_x, grad_weight, grad_bias, None, None
+
+
+class SegmentLinear(torch.autograd.Function):
+    """Expert e's linear map on its segment of rows, `x[seg_e] @ weight[e].T + bias[e]`, one BLAS call per
+    non-empty segment (`segments`: rows per expert, on the host), each writing straight into its rows of one
+    output. Backward does the same for the input gradient and writes each expert's weight and bias gradient
+    into one [E, ...] tensor in the weights' layout: no concatenation of outputs and no stacking of per-expert
+    gradients (what `unbind` + `F.linear` + `cat` would cost)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, segments):
+        ctx.save_for_backward(x, weight)
+        ctx.segments, ctx.has_bias = segments, bias is not None
+        out = x.new_empty(x.shape[0], weight.shape[1])
+        for e, rows in _segments(segments):
+            if bias is None:
+                torch.mm(x[rows], weight[e].t(), out=out[rows])
+            else:
+                torch.addmm(bias[e], x[rows], weight[e].t(), out=out[rows])
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        grad = grad.contiguous()
+        need_x, need_weight, need_bias = ctx.needs_input_grad[:3]
+        grad_x = x.new_empty(x.shape) if need_x else None
+        grad_weight = torch.zeros_like(weight) if need_weight else None  # an expert with no rows: zero
+        grad_bias = weight.new_zeros(weight.shape[:2]) if ctx.has_bias and need_bias else None
+        for e, rows in _segments(ctx.segments):
+            if need_x:
+                torch.mm(grad[rows], weight[e], out=grad_x[rows])
+            if need_weight:
+                torch.mm(grad[rows].t(), x[rows], out=grad_weight[e])
+            if grad_bias is not None:
+                torch.sum(grad[rows], 0, out=grad_bias[e])
+        return grad_x, grad_weight, grad_bias, None
+
+
+def _segments(segments: Sequence[int]):
+    """(expert, row slice) of each non-empty segment of rows sorted by expert."""
+    start = 0
+    for e, count in enumerate(segments):
+        if count:
+            yield e, slice(start, start + count)
+            start += count
 
 
 def _layer_norm(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
