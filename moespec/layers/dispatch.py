@@ -8,7 +8,7 @@ The rule is a pure function of the device, the dtype, the widths, the experts st
 routed to them and whether a backward will follow. The same inputs always give the same step, so a run stays
 bit-reproducible: the steps agree to float rounding, not bit for bit, and nothing here times anything.
 
-CPU, fitted on `python tools/bench_moe.py --only steps` (fp32, 2 threads; the figures are in its output):
+CPU, fitted on `python tools/bench_moe.py --only layer` (fp32, 2 threads; the figures are in its output):
 the loop runs every expert's matmul at the full speed of the BLAS once an expert gets a few hundred rows, and
 adds nothing around it; below that, E small matmuls lose to one grouped kernel. So grouped_mm while the
 mean rows per expert is below the crossover, the loop above it; the crossover is lower in inference, where
