@@ -3,9 +3,9 @@
     fc1 -> [norm] -> act -> [norm | grn] -> dropout -> fc2 -> dropout        (plain FFN)
     fc1 -> split (a, b) -> act(a) * b  or  a * act(b) -> [norm] -> ... -> fc2  (gated, GLU / SwiGLU)
 
-Weights are stacked (`fc1.weight: [E, H, C]`) and only ever used through batched ops: the per-expert loop
-takes views with `unbind(0)` once per forward, whose backward writes one stacked gradient (indexing
-`weight[e]` per expert would allocate a full-size gradient per expert). Three expert steps run the rows
+Weights are stacked (`fc1.weight: [E, H, C]`) and only ever used through batched ops (`ExpertLinear`,
+`SegmentLinear`), whose backward writes one stacked gradient in the weights' layout (indexing `weight[e]` per
+expert would allocate a full-size gradient per expert). Three expert steps run the rows
 (sorted by expert, `counts[e]` rows for expert e), all the same function; `Experts.dispatch` forces one, and
 "auto" (the default) takes the one `dispatch.auto_step` picks for the device, dtype and sizes:
 
@@ -163,19 +163,12 @@ class Experts(nn.Module):
 
     def _loop(self, x: torch.Tensor, counts: torch.Tensor, expert: torch.Tensor,
               groups: torch.Tensor | None) -> torch.Tensor:
-        """One matmul per segment (`SegmentLinear`, one host sync for the counts); everything between the two
-        linears runs once over all rows, with norm parameters gathered per row. GRN's groups become (expert,
+        """One matmul per segment (`SegmentLinear`, one host sync for the counts). GRN's groups become (expert,
         image) pairs, so that each expert normalizes over its own rows of each image."""
         segments = counts.tolist()
-        w1, b1, norm_w, norm_b, w2, b2 = self._param_list()
-
-        def linear(h, w, b):
-            return SegmentLinear.apply(h, w, b, segments)
-
-        rowwise = [None if p is None else p.index_select(0, expert) for p in (norm_w, norm_b)]
         if groups is not None:
             groups = expert * (int(groups.max()) + 1 if groups.numel() else 1) + groups
-        return self._expert(x, [w1, b1, *rowwise, w2, b2], groups, linear=linear)
+        return self._rowwise(x, expert, groups, lambda h, w, b: SegmentLinear.apply(h, w, b, segments))
 
     def _padded(self, x: torch.Tensor, counts: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
         """Rows scattered into a zero-padded [E, M, C] batch (M = the largest segment), batched expert, gathered
@@ -196,16 +189,16 @@ class Experts(nn.Module):
         return self._expert(x, [w1, b1, *norm, w2, b2], None)
 
     def _grouped(self, x: torch.Tensor, counts: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
-        """`F.grouped_mm` over the jagged segments (offsets stay on the device: no host sync); biases and norm
-        parameters are gathered per row."""
+        """`F.grouped_mm` over the jagged segments (offsets stay on the device: no host sync)."""
         offsets = torch.cumsum(counts, 0).to(torch.int32)
+        return self._rowwise(x, expert, None, lambda h, w, b: ExpertLinear.apply(h, w, b, offsets, expert))
+
+    def _rowwise(self, x: torch.Tensor, expert: torch.Tensor, groups: torch.Tensor | None, linear) -> torch.Tensor:
+        """The experts on rows x [S, C] sorted by expert, `linear` applying fc1 / fc2 per segment; everything
+        between the two runs once over all rows, with norm parameters gathered per row."""
         w1, b1, norm_w, norm_b, w2, b2 = self._param_list()
-
-        def linear(h, w, b):
-            return ExpertLinear.apply(h, w, b, offsets, expert)
-
         rowwise = [None if p is None else p.index_select(0, expert) for p in (norm_w, norm_b)]
-        return self._expert(x, [w1, b1, *rowwise, w2, b2], None, linear=linear)
+        return self._expert(x, [w1, b1, *rowwise, w2, b2], groups, linear=linear)
 
     def forward_all(self, x: torch.Tensor, groups: torch.Tensor | None = None) -> torch.Tensor:
         """Every expert on every row, summed: the always-active shared experts. x: [T, C] -> [T, C']."""
