@@ -14,23 +14,24 @@ from typing import TYPE_CHECKING, Any
 from . import routers  # noqa: F401  (registers the built-in router kinds before any spec is validated; no torch)
 from ._version import __version__ as __version__  # re-exported: moespec.__version__
 from .errors import CheckpointError, MoespecError, SpecError
+from .planning import Plan, plan
 from .spec import Spec, load_spec
 
-# The rest of the public API imports torch and timm: seconds that `moespec --help`, `moespec schema` and reading a
-# spec should not pay. It is imported on first use (PEP 562: `__getattr__` below), so `from moespec import
-# create_model` works as before; type checkers and IDEs see the names through the TYPE_CHECKING imports.
+# `plan` imports torch and timm only when it builds a backbone. The rest of the public API imports them: seconds
+# that `moespec --help`, `moespec schema` and reading a spec should not pay. It is imported on first use (PEP 562:
+# `__getattr__` below), so `from moespec import create_model` works as before; type checkers and IDEs see the
+# names through the TYPE_CHECKING imports.
 if TYPE_CHECKING:
     from .apps.timm_registry import register_timm
     from .compiler import create_model, moe_layers
     from .counting import stats
     from .layers.moe import aux_loss, follow_grad_scaler
-    from .planning import Plan, plan
     from .weights import load, save, upcycle, upcycle_to_checkpoint
 
 _LAZY = {
     "register_timm": "apps.timm_registry", "create_model": "compiler", "moe_layers": "compiler", "stats": "counting",
-    "aux_loss": "layers.moe", "follow_grad_scaler": "layers.moe", "Plan": "planning", "plan": "planning",
-    "load": "weights", "save": "weights", "upcycle": "weights", "upcycle_to_checkpoint": "weights",
+    "aux_loss": "layers.moe", "follow_grad_scaler": "layers.moe", "load": "weights", "save": "weights",
+    "upcycle": "weights", "upcycle_to_checkpoint": "weights",
 }
 """Public name -> the subpackage (relative to moespec) that defines it."""
 

@@ -18,10 +18,12 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from .choices import MAX_POINTS, PRECISIONS, STATS_FORMATS
 from .errors import MoespecError, SpecError
+from .planning import plan
 from .spec import json_schema_text, load_spec, spec_files
 
-# Each command imports the stages it needs beyond the spec inside its body: they import torch and timm, seconds
-# that `moespec --help` and `moespec schema` should not pay (tests/test_cli_imports.py).
+# Each command imports the stages it needs beyond the spec and the plan inside its body: they import torch and
+# timm, seconds that `moespec --help` and `moespec schema` should not pay (tests/test_cli_imports.py). The plan
+# imports them only for a backbone its cache has not seen (planning/cache.py).
 
 app = typer.Typer(
     name="moespec",
@@ -81,11 +83,10 @@ def validate(specs: List[Path] = typer.Argument(..., help="Spec files or folders
     """Check specs against the schema and their timm backbones; report every problem."""
 
     def body() -> int:
-        from .planning import plan
         failed = 0
         for file in spec_files(specs):
             try:
-                p = plan(load_spec(file))
+                p = plan(load_spec(file), cached=True)
             except MoespecError as error:
                 failed += 1
                 _report_failure(file, error)
@@ -107,9 +108,8 @@ def plan_command(spec: Path = typer.Argument(..., help="Spec file."),
 
     def body() -> None:
         from .counting import per_rank, plan_table, rank_summary, stats
-        from .planning import plan
         loaded = load_spec(spec)
-        p = plan(loaded)
+        p = plan(loaded, cached=True)
         out.print(p.summary(), markup=False, soft_wrap=True)
         out.print(plan_table(p))
         if not p.layers:

@@ -19,6 +19,15 @@ import moespec
 
 SPECS_DIR = Path(__file__).resolve().parent.parent / "specs"
 
+
+@pytest.fixture(autouse=True, scope="session")
+def _backbone_cache(tmp_path_factory):
+    """The CLI's backbone-sketch cache (`moespec.planning.cache`) goes to a folder of this session's own, for
+    the in-process CLI calls and the subprocesses alike: the tests neither read nor fill the user's cache."""
+    os.environ["MOESPEC_CACHE_DIR"] = str(tmp_path_factory.mktemp("moespec-cache"))
+    yield
+    del os.environ["MOESPEC_CACHE_DIR"]
+
 # Hypothesis budgets (tests/spec/test_fuzz_specs.py): "ci" is small, fixed and reproducible; "long" explores.
 # Pick one with MOESPEC_FUZZ=long or `pytest --hypothesis-profile=long`. No example database is written.
 settings.register_profile("ci", max_examples=100, deadline=None, derandomize=True, database=None,

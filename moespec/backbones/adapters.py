@@ -10,7 +10,6 @@ to cut one expert's weights out of the dense FFN's weights (for upcycling).
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -20,17 +19,7 @@ from torch import nn
 
 from ..errors import MoespecError
 from ..layers import Experts
-
-
-@dataclass(frozen=True)
-class FFNShape:
-    """A dense FFN's widths and layout. `hidden` is the width fc2 reads (after gating, for GLUs)."""
-
-    family: str
-    in_features: int
-    hidden: int
-    out_features: int
-    channels_dim: int  # -1: features last ([B, N, C] or [B, H, W, C]); 1: [B, C, H, W]
+from ..spec import FFNShape
 
 
 class Adapter:

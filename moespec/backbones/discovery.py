@@ -4,6 +4,9 @@ Discovery is generic, not a table per model name: an FFN is any module an adapte
 recognizes; its block is its deepest ancestor that is an element of an `nn.Sequential` / `nn.ModuleList`;
 blocks that sit in the same container form a stage. ViT gets one stage of `blocks.i`; ConvNeXt gets four
 stages of `stages.s.blocks.b`.
+
+`sketch_of` adds what else a plan reads (FFN shapes, rebuildable blocks, the [CLS] token, the input size)
+and returns it all as plain data, a `spec.BackboneSketch`.
 """
 
 from __future__ import annotations
@@ -11,8 +14,9 @@ from __future__ import annotations
 from torch import nn
 
 from ..errors import Problem, SpecError
-from ..spec import Block, BlockLayout
+from ..spec import BackboneSketch, Block, BlockLayout, Rescalable
 from .adapters import ADAPTERS, find_adapter
+from .rebuilders import BLOCK_REBUILDERS, find_rebuilder
 
 
 def find_blocks(model: nn.Module) -> BlockLayout:
@@ -47,3 +51,24 @@ def find_blocks(model: nn.Module) -> BlockLayout:
         blocks.append(Block(index, path, stage_names.index(block_stage[path]), tuple(sublayers)))
     stages = tuple(tuple(b.index for b in blocks if b.stage == s) for s in range(len(stage_names)))
     return BlockLayout(tuple(blocks), stages)
+
+
+def sketch_of(model: nn.Module) -> BackboneSketch:
+    """What a plan reads of `model`, as plain data (see `spec.BackboneSketch`)."""
+    layout = find_blocks(model)
+    modules = dict(model.named_modules())
+    sublayers = {f"{block.path}.{sublayer}" for block in layout.blocks for sublayer in block.sublayers}
+    ffns = {path: find_adapter(module).shape(module) for path, module in modules.items() if path in sublayers}
+    blocks = {block.path: modules[block.path] for block in layout.blocks}
+    rescalable = {}
+    for path, block in blocks.items():
+        rebuilder = find_rebuilder(block)
+        if rebuilder is not None:
+            tokens, channels = rebuilder.shape(block)
+            rescalable[path] = Rescalable(tokens, channels, rebuilder.token_sublayer, rebuilder.channel_sublayer)
+    cfg = getattr(model, "pretrained_cfg", None) or {}
+    return BackboneSketch(
+        layout=layout, ffns=ffns, block_types={path: type(block).__name__ for path, block in blocks.items()},
+        rescalable=rescalable, rebuilt_types=tuple(cls.__name__ for cls in BLOCK_REBUILDERS),
+        has_cls_token=getattr(model, "cls_token", None) is not None,
+        input_size=tuple(cfg.get("input_size", (3, 224, 224))))

@@ -1,12 +1,15 @@
-"""Stage 3, the plan: a `Spec` plus its dense timm model give a frozen `Plan` (which FFNs become MoE layers,
-at which widths, with which router), numbers only. The compiler and the upcycler read nothing else.
+"""Stage 3, the plan: a `Spec` plus its dense timm model (read as a `spec.BackboneSketch`) give a frozen
+`Plan` (which FFNs become MoE layers, at which widths, with which router), numbers only. The compiler and the
+upcycler read nothing else.
 
-    plan.py    Plan, LayerPlan, RescalePlan; plan(spec), plan_for(spec, model)
+    plan.py    Plan, LayerPlan, RescalePlan; plan(spec), plan_for(spec, model or sketch)
     checks.py  what only the real model can tell: the input size it takes, the dense checkpoint file
+    cache.py   backbone sketches kept between CLI runs: a backbone seen before needs no torch, no timm
 """
 
-from .checks import INPUT_SIZE_ERRORS, checkpoint_problem, input_size_of, input_size_problem
+from .cache import backbone_facts, cache_folder
+from .checks import INPUT_SIZE_ERRORS, checkpoint_problem, input_refusal, input_size_of, input_size_problem
 from .plan import LayerPlan, Plan, RescalePlan, plan, plan_for
 
-__all__ = ["INPUT_SIZE_ERRORS", "LayerPlan", "Plan", "RescalePlan", "checkpoint_problem", "input_size_of",
-           "input_size_problem", "plan", "plan_for"]
+__all__ = ["INPUT_SIZE_ERRORS", "LayerPlan", "Plan", "RescalePlan", "backbone_facts", "cache_folder",
+           "checkpoint_problem", "input_refusal", "input_size_of", "input_size_problem", "plan", "plan_for"]

@@ -1,12 +1,11 @@
-"""Checks of a spec that need its dense model: the input size it takes, and the dense checkpoint it names."""
+"""Checks of a spec that its dense model answers: the input size it takes, and the dense checkpoint it names."""
 
 from __future__ import annotations
 
-import torch
-from torch import nn
+from typing import Any
 
 from ..errors import Problem, SpecError
-from ..spec import DENSE_SUFFIXES, Spec, located, spec_problem
+from ..spec import DENSE_SUFFIXES, BackboneSketch, Spec, located, spec_problem
 
 
 def checkpoint_problem(spec: Spec) -> Problem | None:
@@ -28,34 +27,37 @@ INPUT_SIZE_ERRORS = (AssertionError, RuntimeError, ValueError, TypeError, Overfl
 than the image is a RuntimeError, a size beyond int64 a TypeError."""
 
 
-def input_size_problem(spec: Spec, input_size: tuple[int, int, int], error: Exception) -> Problem:
-    """A Problem at `input_size` for the error the backbone raised on an input of that size."""
-    reason = str(error).strip().splitlines()[0].rstrip(".") if str(error).strip() else type(error).__name__
+def input_refusal(model: Any, input_size: tuple[int, int, int]) -> str | None:
+    """Run `model` (built on the meta device: shapes only) on one input of `input_size`; why it refuses it, in
+    one line, or None when it takes it."""
+    import torch  # only with a model in hand: a plan from a cached sketch needs no torch
+
+    try:
+        with torch.no_grad():
+            model(torch.empty(1, *input_size, device="meta"))
+    except INPUT_SIZE_ERRORS as error:
+        return _reason(error)
+    return None
+
+
+def _reason(error: Exception) -> str:
+    return str(error).strip().splitlines()[0].rstrip(".") if str(error).strip() else type(error).__name__
+
+
+def input_size_problem(spec: Spec, input_size: tuple[int, int, int], reason: Exception | str) -> Problem:
+    """A Problem at `input_size` for why the backbone refused an input of that size (its error, or its text)."""
+    if isinstance(reason, Exception):
+        reason = _reason(reason)
     return spec_problem(spec, "input_size", f"the model cannot take input size {list(input_size)}: {reason}; models "
                                             f"with a fixed input size take it as img_size (and in_chans) in "
                                             f"backbone.kwargs")
 
 
-def model_input_problem(spec: Spec, model: nn.Module) -> Problem | None:
-    """Run `model` (on the meta device: shapes only) on the spec's input size; a Problem if it refuses it."""
-    try:
-        input_size = input_size_of(spec, model)
-    except SpecError as error:
-        return error.problems[0]
-    try:
-        with torch.no_grad():
-            model(torch.empty(1, *input_size, device="meta"))
-    except INPUT_SIZE_ERRORS as error:
-        return input_size_problem(spec, input_size, error)
-    return None
-
-
-def input_size_of(spec: Spec, model: nn.Module) -> tuple[int, int, int]:
+def input_size_of(spec: Spec, sketch: BackboneSketch) -> tuple[int, int, int]:
     """The spec's input_size, else the backbone's pretrained_cfg input size adjusted by img_size / in_chans."""
     if spec.input_size is not None:
         return spec.input_size
-    cfg = getattr(model, "pretrained_cfg", None) or {}
-    channels, height, width = cfg.get("input_size", (3, 224, 224))
+    channels, height, width = sketch.input_size
     kwargs = spec.backbone.kwargs
     if kwargs.get("in_chans") is not None:  # timm ignores kwargs that are None
         channels = kwargs["in_chans"]

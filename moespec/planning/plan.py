@@ -1,22 +1,22 @@
 """Plan before you cut: which FFN call sites become MoE layers, at which widths.
 
-`plan(spec)` builds the backbone on the meta device (no weights), discovers its blocks, resolves every
-surgery group's selector and widths, and returns a frozen `Plan`. The compiler and the upcycler only
-read the Plan; `moespec plan` prints it.
+`plan(spec)` reads the backbone's sketch (its blocks and FFN shapes as plain data: from the cache, or from
+the backbone built on the meta device, without weights), resolves every surgery group's selector and
+widths, and returns a frozen `Plan`. The compiler and the upcycler only read the Plan; `moespec plan`
+prints it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
-from torch import nn
-
-from ..backbones import BLOCK_REBUILDERS, FFNShape, create_backbone, find_adapter, find_blocks, find_rebuilder
 from ..errors import Problem, SpecError, did_you_mean
-from ..spec import BlockLayout, MoEGroup, Spec, located, spec_problem
+from ..spec import BackboneSketch, BlockLayout, FFNShape, MoEGroup, Spec, located, spec_problem
 from ..spec.registry import RouterKind, router_kind
 from ..spec.selectors import SelectorError, resolve_where
-from .checks import checkpoint_problem, input_size_of, model_input_problem
+from .cache import backbone_facts
+from .checks import checkpoint_problem, input_size_of
 
 
 @dataclass(frozen=True)
@@ -116,16 +116,18 @@ class Plan:
         return "\n".join([self.summary(), *lines])
 
 
-def plan(spec: Spec) -> Plan:
+def plan(spec: Spec, *, cached: bool = False) -> Plan:
     """The Plan of `spec`, checked against its timm backbone built on the meta device. Pure: no weights.
+    `cached`: read the backbone's sketch from the cache of earlier runs when it is there (`planning.cache`).
 
     Also checks what only this full check of a spec needs: that the backbone takes the input size (one
-    forward on the meta device) and that `backbone.checkpoint` names a dense checkpoint file.
+    forward on the meta device, or its cached outcome) and that `backbone.checkpoint` names a dense
+    checkpoint file.
     """
-    model = create_backbone(spec, device="meta")
-    problems = [p for p in (model_input_problem(spec, model), checkpoint_problem(spec)) if p is not None]
+    sketch, input_problem = backbone_facts(spec, cached=cached)
+    problems = [p for p in (input_problem, checkpoint_problem(spec)) if p is not None]
     try:
-        result = plan_for(spec, model)
+        result = plan_for(spec, sketch)
     except SpecError as error:
         raise SpecError(error.problems + problems) from None
     if problems:
@@ -133,15 +135,20 @@ def plan(spec: Spec) -> Plan:
     return result
 
 
-def plan_for(spec: Spec, model: nn.Module) -> Plan:
-    """The Plan of `spec` for an already built dense `model` (any device)."""
-    try:
-        layout = find_blocks(model)
-    except SpecError as error:
-        raise located(spec, error) from None
-    modules = dict(model.named_modules())
+def plan_for(spec: Spec, backbone: Any) -> Plan:
+    """The Plan of `spec` for an already built dense model (an `nn.Module` on any device) or its sketch."""
+    if isinstance(backbone, BackboneSketch):
+        sketch = backbone
+    else:
+        from ..backbones import sketch_of  # timm: a model is in hand, so it is imported already
+
+        try:
+            sketch = sketch_of(backbone)
+        except SpecError as error:
+            raise located(spec, error) from None
+    layout = sketch.layout
     problems: list[Problem] = []
-    rescaled = _rescales(spec, layout, modules, problems)  # block path -> (S, C, S1, C1, rescale index)
+    rescaled = _rescales(spec, sketch, problems)  # block path -> (S, C, S1, C1, rescale index)
     hidden: dict[str, int] = {}  # FFN path in a rebuilt block -> its hidden width
     claimed: dict[str, int] = {}  # FFN path -> the group that set it
     layers: dict[str, LayerPlan] = {}
@@ -163,13 +170,13 @@ def plan_for(spec: Spec, model: nn.Module) -> Plan:
                     f"{path} is already {what} from moe.{earlier}; each FFN can be replaced once"))
                 continue
             claimed[path] = index
-            shape = _rescaled_shape(block.path, group.sublayer, rescaled, modules)
+            shape = _rescaled_shape(block.path, group.sublayer, rescaled, sketch)
             if group.experts == 0 and shape is None:
                 problems.append(spec_problem(
                     spec, f"moe.{index}.experts",
                     f"experts: 0 (a plain MLP) is allowed only in blocks rebuilt by rescale; {block.path} is not"))
                 continue
-            layer = _layer_plan(spec, index, group, block_index, path, model, problems, shape)
+            layer = _layer_plan(spec, index, group, block_index, path, sketch, problems, shape)
             if layer is None:
                 continue
             if shape is not None:
@@ -178,17 +185,18 @@ def plan_for(spec: Spec, model: nn.Module) -> Plan:
                 layers[path] = layer
     if problems:
         raise SpecError(list(dict.fromkeys(problems)))  # one report per distinct problem
-    ordered = tuple(sorted(layers.values(), key=lambda layer: list(modules).index(layer.path)))
+    order = list(sketch.ffns)  # module order
+    ordered = tuple(sorted(layers.values(), key=lambda layer: order.index(layer.path)))
     rescales = []
     for path, (tokens, channels, new_tokens, new_channels, index) in rescaled.items():
-        rebuilder = find_rebuilder(modules[path])
-        token_ffn, channel_ffn = f"{path}.{rebuilder.token_sublayer}", f"{path}.{rebuilder.channel_sublayer}"
+        block = sketch.rescalable[path]
+        token_ffn, channel_ffn = f"{path}.{block.token_sublayer}", f"{path}.{block.channel_sublayer}"
         rescales.append(RescalePlan(
             path, index, tokens, channels, new_tokens, new_channels,
-            token_hidden=hidden.get(token_ffn, _hidden(modules[token_ffn])),
-            channel_hidden=hidden.get(channel_ffn, _hidden(modules[channel_ffn]))))
+            token_hidden=hidden.get(token_ffn, sketch.ffns[token_ffn].hidden),
+            channel_hidden=hidden.get(channel_ffn, sketch.ffns[channel_ffn].hidden)))
     name = spec.name or spec.backbone.model
-    return Plan(name, spec.backbone.model, layout, ordered, input_size_of(spec, model), tuple(rescales))
+    return Plan(name, spec.backbone.model, layout, ordered, input_size_of(spec, sketch), tuple(rescales))
 
 
 def _picked(spec: Spec, field: str, where: list, layout: BlockLayout, problems: list[Problem]) -> list[int]:
@@ -200,25 +208,24 @@ def _picked(spec: Spec, field: str, where: list, layout: BlockLayout, problems: 
         return []
 
 
-def _rescales(spec: Spec, layout: BlockLayout, modules: dict[str, nn.Module], problems: list[Problem]) -> dict:
+def _rescales(spec: Spec, sketch: BackboneSketch, problems: list[Problem]) -> dict:
     """Resolve `spec.rescale`: block path -> (S, C, S1, C1, rescale index); problems for what does not fit."""
     rescaled: dict[str, tuple[int, int, int, int, int]] = {}
     for index, rescale in enumerate(spec.rescale):
-        for block_index in _picked(spec, f"rescale.{index}.where", rescale.where, layout, problems):
-            path = layout.blocks[block_index].path
-            rebuilder = find_rebuilder(modules[path])
-            if rebuilder is None:
+        for block_index in _picked(spec, f"rescale.{index}.where", rescale.where, sketch.layout, problems):
+            path = sketch.layout.blocks[block_index].path
+            if path not in sketch.rescalable:
                 problems.append(spec_problem(
                     spec, f"rescale.{index}.where",
-                    f"{path} is a {type(modules[path]).__name__}; rescale rebuilds only "
-                    f"{', '.join(cls.__name__ for cls in BLOCK_REBUILDERS)} blocks (MLP-Mixer)"))
+                    f"{path} is a {sketch.block_types[path]}; rescale rebuilds only "
+                    f"{', '.join(sketch.rebuilt_types)} blocks (MLP-Mixer)"))
                 break
             if path in rescaled:
                 problems.append(spec_problem(spec, f"rescale.{index}.where",
                                              f"{path} is already rescaled by rescale.{rescaled[path][4]}; each block "
                                              f"can be rescaled once"))
                 continue
-            tokens, channels = rebuilder.shape(modules[path])
+            tokens, channels = sketch.rescalable[path].tokens, sketch.rescalable[path].channels
             sizes = {"tokens": (rescale.tokens * tokens, tokens), "channels": (rescale.channels * channels, channels)}
             bad = False
             for axis, (exact, base) in sizes.items():
@@ -234,28 +241,22 @@ def _rescales(spec: Spec, layout: BlockLayout, modules: dict[str, nn.Module], pr
     return rescaled
 
 
-def _hidden(ffn: nn.Module) -> int:
-    return find_adapter(ffn).shape(ffn).hidden
-
-
-def _rescaled_shape(block: str, sublayer: str, rescaled: dict, modules: dict[str, nn.Module]) -> FFNShape | None:
+def _rescaled_shape(block: str, sublayer: str, rescaled: dict, sketch: BackboneSketch) -> FFNShape | None:
     """The shape of FFN `sublayer` of `block` after the block is rebuilt, or None if it is not rebuilt."""
     if block not in rescaled:
         return None
     _, _, tokens, channels, _ = rescaled[block]
-    rebuilder = find_rebuilder(modules[block])
-    dense = find_adapter(modules[f"{block}.{sublayer}"]).shape(modules[f"{block}.{sublayer}"])
-    width = tokens if sublayer == rebuilder.token_sublayer else channels
+    dense = sketch.ffns[f"{block}.{sublayer}"]
+    width = tokens if sublayer == sketch.rescalable[block].token_sublayer else channels
     return FFNShape(dense.family, width, dense.hidden, width, dense.channels_dim)
 
 
-def _layer_plan(spec: Spec, index: int, group: MoEGroup, block: int, path: str, model: nn.Module,
+def _layer_plan(spec: Spec, index: int, group: MoEGroup, block: int, path: str, sketch: BackboneSketch,
                 problems: list[Problem], shape: FFNShape | None = None) -> LayerPlan | None:
-    ffn = model.get_submodule(path)
-    shape = shape or find_adapter(ffn).shape(ffn)
+    shape = shape or sketch.ffns[path]
     kind = router_kind(group.router.kind)
     try:
-        router = kind.resolve(group.router.model_dump(), model, spec.backbone.model)
+        router = kind.resolve(group.router.model_dump(), sketch, spec.backbone.model)
     except SpecError as error:
         problems += [spec_problem(spec, f"moe.{index}.router.{p.path}", p.message) for p in error.problems]
         return None

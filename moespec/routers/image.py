@@ -25,9 +25,9 @@ class ImageRouterSpec(RouterSpec):
         return "image routing decides for each image on its own, from that image's vector"
 
 
-def resolve(router: dict, model: Any, name: str) -> dict:
+def resolve(router: dict, sketch: Any, name: str) -> dict:
     """`pool` defaults to the [CLS] token where the model has one (timm ViTs put it first in the sequence)."""
-    has_cls = getattr(model, "cls_token", None) is not None
+    has_cls = sketch.has_cls_token
     pool = router["pool"] or ("cls" if has_cls else "mean")
     if pool == "cls" and not has_cls:
         raise SpecError(Problem(f"{name} has no [CLS] token; use pool: mean", path="pool"))

@@ -1,13 +1,13 @@
 """Stage 1, the spec: YAML to a validated, frozen `Spec`. No torch, no timm.
 
     fields.py     the base model and number types      registry.py   selectors and router kinds (extension)
-    selectors.py  `where:` selectors                    blocks.py     Block / BlockLayout, what selectors resolve
+    selectors.py  `where:` selectors                    blocks.py     BlockLayout, BackboneSketch: the backbone as data
     models.py     one pydantic model per YAML mapping   problems.py   pydantic errors -> located Problems
     loading.py    load_spec, spec_files, spec_problem   schema.py     the JSON Schema of spec files
     yaml_positions.py  YAML with file:line:col of values   yaml_limits.py  size, depth and alias budgets
 """
 
-from .blocks import Block, BlockLayout
+from .blocks import BackboneSketch, Block, BlockLayout, FFNShape, Rescalable
 from .fields import SpecModel
 from .loading import load_spec, located, read_document, spec_files, spec_problem
 from .models import DENSE_SUFFIXES, AuxLoss, Backbone, MoEGroup, RescaleSpec, Spec, Upcycle
@@ -25,8 +25,8 @@ from .registry import (
 )
 from .schema import SCHEMA_FILE, json_schema, json_schema_text
 
-__all__ = ["DENSE_SUFFIXES", "ROUTER_KINDS", "SCHEMA_FILE", "SELECTORS", "AuxLoss", "Backbone", "Block", "BlockLayout",
-           "Inspection", "MoEGroup", "RescaleSpec", "RouterKind", "RouterSpec", "Spec", "SpecModel", "Upcycle",
-           "allowed_keys", "json_schema", "json_schema_text", "load_spec", "located", "read_document",
-           "register_router_kind", "register_selector", "spec_files", "spec_problem", "unregister_router_kind",
-           "unregister_selector"]
+__all__ = ["DENSE_SUFFIXES", "ROUTER_KINDS", "SCHEMA_FILE", "SELECTORS", "AuxLoss", "Backbone", "BackboneSketch",
+           "Block", "BlockLayout", "FFNShape", "Inspection", "MoEGroup", "RescaleSpec", "Rescalable", "RouterKind",
+           "RouterSpec", "Spec", "SpecModel", "Upcycle", "allowed_keys", "json_schema", "json_schema_text",
+           "load_spec", "located", "read_document", "register_router_kind", "register_selector", "spec_files",
+           "spec_problem", "unregister_router_kind", "unregister_selector"]

@@ -98,9 +98,9 @@ class RouterKind:
     activated: (router, layer) -> (routed experts one item uses, what an item is) for activated params. MACs
                are the built module's `activated_macs` / `executed_macs`: it knows what it runs.
     inspect:   what `moespec inspect` counts.
-    resolve:   (router, dense model, its timm name) -> the router with the defaults that depend on the model
-               filled in; a `SpecError` whose problems name fields of the router (`pool`) when the model does
-               not fit.
+    resolve:   (router, the dense model's `BackboneSketch`, its timm name) -> the router with the defaults that
+               depend on the model filled in; a `SpecError` whose problems name fields of the router (`pool`)
+               when the model does not fit.
     """
 
     spec: type[RouterSpec]
@@ -109,7 +109,7 @@ class RouterKind:
     caveats: Callable[[dict, Any], list[str]]
     activated: Callable[[dict, Any], tuple[float, str]]
     inspect: Inspection
-    resolve: Callable[[dict, Any, str], dict] = lambda router, model, name: router
+    resolve: Callable[[dict, Any, str], dict] = lambda router, sketch, name: router
 
 
 def register_router_kind(kind: RouterKind) -> RouterKind:

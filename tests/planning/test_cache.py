@@ -1,0 +1,142 @@
+"""The CLI's backbone-sketch cache (`moespec.planning.cache`): a plan from a cached sketch is the plan from the
+model, for every shipped spec and every mistake of the bad-spec corpus; a broken entry is rebuilt, a cache
+that cannot be written is skipped, and `validate` of a backbone seen before imports neither torch nor timm."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from moespec.errors import MoespecError
+from moespec.planning import cache_folder, plan
+from moespec.planning.cache import entry_file
+from moespec.spec import load_spec
+
+from ..conftest import SPECS_DIR, TINY_VIT, make_spec, write
+
+CORPUS = Path(__file__).parent.parent / "data" / "bad_specs"
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch) -> Path:
+    """An empty cache folder of this test's own."""
+    monkeypatch.setenv("MOESPEC_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def outcome(spec, **kwargs) -> object:
+    """The plan of `spec`, or the text of the error it raises."""
+    try:
+        return plan(spec, **kwargs)
+    except MoespecError as error:
+        return f"{type(error).__name__}: {error}"
+
+
+def entries(cache: Path) -> list[Path]:
+    return sorted((cache / "backbones").glob("*.json")) if (cache / "backbones").exists() else []
+
+
+def test_every_shipped_spec_plans_the_same_from_its_cached_sketch(cache):
+    specs = [load_spec(path) for path in sorted(SPECS_DIR.glob("*.yaml"))]
+    expected = [outcome(spec) for spec in specs]
+    assert [outcome(spec, cached=True) for spec in specs] == expected  # cold: built, then written
+    assert len(entries(cache)) == len({(s.backbone.model, json.dumps(s.backbone.kwargs, sort_keys=True))
+                                       for s in specs})
+    assert [outcome(spec, cached=True) for spec in specs] == expected  # warm: read
+
+
+def test_every_mistake_of_the_corpus_reads_the_same_from_the_cache(cache):
+    for path in sorted(CORPUS.glob("*.yaml")):
+        try:
+            spec = load_spec(path)
+        except MoespecError:
+            continue  # refused before any backbone is read
+        expected = outcome(spec)
+        assert outcome(spec, cached=True) == expected, path.name
+        assert outcome(spec, cached=True) == expected, path.name
+
+
+def test_an_input_size_the_entry_has_not_seen_is_tried_on_the_model_and_added(cache, tmp_path):
+    taken = make_spec(TINY_VIT, [{"where": {"every": 1}, "experts": 4}])
+    refused = make_spec(TINY_VIT, [{"where": {"every": 1}, "experts": 4}], input_size=[3, 60, 60])
+    plan(taken, cached=True)
+    (file,) = entries(cache)
+    assert [size for size, _ in json.loads(file.read_text())["inputs"]] == [[3, 64, 64]]
+    with pytest.raises(MoespecError, match=r"cannot take input size \[3, 60, 60\]") as cold:
+        plan(refused, cached=True)
+    assert len(json.loads(file.read_text())["inputs"]) == 2
+    with pytest.raises(MoespecError) as warm:
+        plan(refused, cached=True)
+    assert str(warm.value) == str(cold.value)
+
+
+@pytest.mark.parametrize("damage", [
+    b"", b"{", b"[]", b'{"format": 1}', b"\xff\xfe", b" " * 5_000_000,
+    "change a width to a string", "drop a block", "an input size of two numbers",
+])
+def test_a_broken_entry_is_rebuilt_from_the_model(cache, damage):
+    spec = make_spec(TINY_VIT, [{"where": {"every": 1}, "experts": 4}])
+    expected = plan(spec)
+    plan(spec, cached=True)
+    (file,) = entries(cache)
+    good = file.read_text()
+    entry = json.loads(good)
+    if damage == "change a width to a string":
+        next(iter(entry["sketch"]["ffns"].values()))["hidden"] = "1536"
+    elif damage == "drop a block":
+        del entry["sketch"]["layout"]["blocks"][0]["path"]
+    elif damage == "an input size of two numbers":
+        entry["inputs"][0][0] = [64, 64]
+    file.write_bytes(damage if isinstance(damage, bytes) else json.dumps(entry).encode())
+    assert plan(spec, cached=True) == expected
+    assert file.read_text() == good  # rewritten whole
+    assert plan(spec, cached=True) == expected
+
+
+def test_each_backbone_has_its_own_entry(cache):
+    deeper = {**TINY_VIT, "kwargs": {**TINY_VIT["kwargs"], "depth": 4}}
+    two = make_spec(TINY_VIT, [{"where": {"every": 1}, "experts": 4}])
+    four = make_spec(deeper, [{"where": {"every": 1}, "experts": 4}])
+    assert len(plan(two, cached=True).layers) == 2
+    assert len(plan(four, cached=True).layers) == 4
+    assert len(plan(two, cached=True).layers) == 2
+    assert entry_file(two) != entry_file(four) and len(entries(cache)) == 2
+
+
+def test_an_empty_cache_dir_turns_the_cache_off(monkeypatch, tmp_path):
+    monkeypatch.setenv("MOESPEC_CACHE_DIR", "")
+    assert cache_folder() is None
+    plan(make_spec(TINY_VIT, [{"where": {"every": 1}, "experts": 4}]), cached=True)
+
+
+def test_a_cache_that_cannot_be_written_is_skipped(monkeypatch, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    monkeypatch.setenv("MOESPEC_CACHE_DIR", str(blocker / "cache"))
+    spec = make_spec(TINY_VIT, [{"where": {"every": 1}, "experts": 4}])
+    assert plan(spec, cached=True) == plan(spec)
+    assert blocker.read_text() == "not a folder"
+
+
+def test_the_library_plan_does_not_use_the_cache(cache):
+    plan(make_spec(TINY_VIT, [{"where": {"every": 1}, "experts": 4}]))
+    assert entries(cache) == []
+
+
+def test_validate_of_a_backbone_seen_before_imports_neither_torch_nor_timm(cache, tmp_path):
+    spec = write(tmp_path, "backbone: {model: vit_small_patch16_224, kwargs: {depth: 2}}\n"
+                           "moe: [{where: {every: 1}, experts: 4}]\n")
+    code = (f"import sys\nfrom moespec.cli import app\ntry:\n    app(['validate', {str(spec)!r}])\n"
+            f"except SystemExit as exit:\n    assert not exit.code, exit.code\n"
+            f"print(sorted(m for m in ('torch', 'timm') if m in sys.modules))")
+    env = {**__import__("os").environ, "MOESPEC_CACHE_DIR": str(cache)}
+    runs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+            for _ in range(2)]
+    assert [run.returncode for run in runs] == [0, 0], runs[0].stderr + runs[1].stderr
+    assert runs[0].stdout.splitlines()[-1] == "['timm', 'torch']"  # cold: the backbone is built once
+    assert runs[1].stdout.splitlines()[-1] == "[]"
+    assert runs[0].stdout.splitlines()[0] == runs[1].stdout.splitlines()[0]  # the same "ok: ..." line
