@@ -318,8 +318,13 @@ class SegmentLinear(torch.autograd.Function):
         grad = grad.contiguous()
         need_x, need_weight, need_bias = ctx.needs_input_grad[:3]
         grad_x = x.new_empty(x.shape) if need_x else None
-        grad_weight = torch.zeros_like(weight) if need_weight else None  # an expert with no rows: zero
-        grad_bias = weight.new_zeros(weight.shape[:2]) if ctx.has_bias and need_bias else None
+        grad_weight = torch.empty_like(weight) if need_weight else None
+        grad_bias = weight.new_empty(weight.shape[:2]) if ctx.has_bias and need_bias else None
+        for e, count in enumerate(ctx.segments):  # an expert with no rows: zero (filling all would cost a pass)
+            if not count:
+                for g in (grad_weight, grad_bias):
+                    if g is not None:
+                        g[e].zero_()
         for e, rows in _segments(ctx.segments):
             if need_x:
                 torch.mm(grad[rows], weight[e], out=grad_x[rows])

@@ -77,9 +77,13 @@ class MoE(nn.Module):
         if exporting:
             y = self._dense_combine(items, routing)
         else:
-            rows = routing.item
-            out = self.experts(items[rows], routing.counts, groups[rows] if groups is not None else None)
-            y = items.new_zeros(items.shape[0], out.shape[-1]).index_add_(0, rows, out * routing.weights.unsqueeze(-1))
+            rows = routing.item  # index_select, not items[rows]: 4x faster on CPU, and so is its backward
+            out = self.experts(items.index_select(0, rows), routing.counts,
+                               groups.index_select(0, rows) if groups is not None else None)
+            weights = routing.weights.unsqueeze(-1)
+            # in place when autograd does not need `out`: one [pairs, C] buffer less to allocate
+            out = out.mul_(weights) if not (out.requires_grad or weights.requires_grad) else out * weights
+            y = items.new_zeros(items.shape[0], out.shape[-1]).index_add_(0, rows, out)
         if self.shared is not None:
             y = y + self.shared.forward_all(items, groups)
         if not exporting:  # an exported graph is a pure function: no routing state, no aux loss
