@@ -117,8 +117,15 @@ def _layer_setting(experts: int, top_k: int, tokens: int, device, dtype, bandwid
     def fwd_bwd(step):
         def run():
             bank.dispatch = step
+            moe.zero_grad(set_to_none=True)  # as a training step's optimizer.zero_grad(): no accumulation pass
+            x.grad = None
             moe(x).float().square().mean().backward()
         return run
+
+    def dense_fwd_bwd():
+        dense.zero_grad(set_to_none=True)
+        x.grad = None
+        dense(x).float().square().mean().backward()
 
     repeats = 10 if tokens > 1000 else 30
     steps = ("auto",) + STEPS
@@ -126,7 +133,7 @@ def _layer_setting(experts: int, top_k: int, tokens: int, device, dtype, bandwid
         forward = interleaved({**{s: fwd(s) for s in steps}, "dense": lambda: dense(x)}, repeats)
         picked_fwd = _picked(moe, x)
     backward = interleaved({**{s: fwd_bwd(s) for s in steps},
-                            "dense": lambda: dense(x).float().square().mean().backward()}, repeats)
+                            "dense": dense_fwd_bwd}, repeats)
     row = {"experts": experts, "top_k": top_k, "tokens": tokens, "auto_fwd": picked_fwd,
            "auto_fwdbwd": _picked(moe, x)}
     for label, times in (("fwd", forward), ("fwdbwd", backward)):

@@ -153,8 +153,7 @@ class Experts(nn.Module):
             return "loop"
         if self.dispatch != "auto":
             return self.dispatch
-        training = torch.is_grad_enabled() and (x.requires_grad or self.fc1.weight.requires_grad)
-        return auto_step(x, self.local_experts, self._aligned(x.element_size()), training)
+        return auto_step(x, self.local_experts, self._aligned(x.element_size()))
 
     def _aligned(self, element_size: int) -> bool:
         """grouped_mm kernels need every row stride to be a multiple of 16 bytes."""

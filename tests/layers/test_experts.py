@@ -60,22 +60,18 @@ def test_no_rows_gives_an_empty_output(dispatch):
     assert bank(torch.zeros(0, 8), torch.zeros(4, dtype=torch.long)).shape == (0, 12)
 
 
-def test_auto_picks_grouped_mm_for_few_rows_per_expert_and_the_loop_for_many():
-    from moespec.layers.dispatch import CPU_GROUPED_BELOW
+def test_auto_picks_padded_for_few_rows_per_expert_and_the_loop_for_many_on_cpu():
+    from moespec.layers.dispatch import CPU_PADDED_BELOW
 
     bank = _bank("plain")  # 4 experts
-    for mode, crossover in CPU_GROUPED_BELOW.items():
-        x = torch.zeros(4 * crossover, 8)
-        with torch.set_grad_enabled(mode == "training"):  # grad mode off: no backward follows
-            assert bank.strategy(x[:-1]) == "grouped_mm", mode
-            assert bank.strategy(x) == "loop", mode
-    bank.requires_grad_(False)  # frozen experts, input without grad: inference even in grad mode
-    assert bank.strategy(torch.zeros(4 * CPU_GROUPED_BELOW["inference"], 8)) == "loop"
+    x = torch.zeros(4 * CPU_PADDED_BELOW, 8)
+    for grad in (True, False):  # the same in training and in inference
+        with torch.set_grad_enabled(grad):
+            assert bank.strategy(x[:-1]) == "padded"
+            assert bank.strategy(x) == "loop"
     assert bank.strategy(torch.zeros(8, 8, dtype=torch.float64)) == "padded"  # grouped_mm takes no float64
-    odd = Experts(4, 7, 4, 12, act=nn.GELU())  # 7 fp32 values = 28 bytes: not 16-byte aligned for grouped_mm
-    assert odd.strategy(torch.zeros(8, 7)) == "padded"
-    bank.dispatch = "padded"
-    assert bank.strategy(torch.zeros(10_000, 8)) == "padded"  # a forced step is taken as is
+    bank.dispatch = "grouped_mm"
+    assert bank.strategy(torch.zeros(10_000, 8)) == "grouped_mm"  # a forced step is taken as is
     grn = Experts(2, 6, 5, 6, act=nn.GELU(), inner_norm="grn")
     grn.dispatch = "padded"  # GRN normalizes per image: only the loop knows the images
     assert grn.strategy(torch.zeros(8, 6)) == "loop"
