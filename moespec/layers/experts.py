@@ -11,7 +11,8 @@ expert would allocate a full-size gradient per expert). Three expert steps run t
 
     grouped_mm  `F.grouped_mm` over the jagged segments, no host sync
     padded      rows scattered into [E, max count, C] and two `bmm`s
-    loop        one dense matmul per contiguous segment; the only step for GRN experts (per-image norm)
+    loop        one dense matmul per contiguous segment (without autograd: each expert's whole FFN on its
+                segment in turn, its hidden activations in cache); the only step for GRN experts
 """
 
 from __future__ import annotations
@@ -167,7 +168,20 @@ class Experts(nn.Module):
         segments = counts.tolist()
         if groups is not None:
             groups = expert * (int(groups.max()) + 1 if groups.numel() else 1) + groups
+        if not torch.is_grad_enabled() or not (x.requires_grad or self.fc1.weight.requires_grad):
+            return self._segment_by_segment(x, segments, groups)
         return self._rowwise(x, expert, groups, lambda h, w, b: SegmentLinear.apply(h, w, b, segments))
+
+    def _segment_by_segment(self, x: torch.Tensor, segments: list[int], groups: torch.Tensor | None) -> torch.Tensor:
+        """Without autograd: each expert's whole FFN on its own segment in turn, so that its hidden activations
+        ([rows, H], a few MB) stay in cache from fc1 to fc2 instead of a [S, H] tensor going through memory
+        between every op. Each op is the one `_rowwise` runs, on fewer rows: the same values."""
+        params = [self._unbind(p) for p in self._param_list()]
+        out = x.new_empty(x.shape[0], self.out_features)
+        for e, rows in _segments(segments):
+            one = [p[e] if p is not None else None for p in params]
+            out[rows] = self._expert(x[rows], one, groups[rows] if groups is not None else None)
+        return out
 
     def _padded(self, x: torch.Tensor, counts: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
         """Rows scattered into a zero-padded [E, M, C] batch (M = the largest segment), batched expert, gathered

@@ -144,6 +144,34 @@ def test_every_step_matches_each_expert_by_hand_with_gradients(structure, dispat
     assert grads["fc1.weight"][1].abs().max() == 0  # the expert without rows
 
 
+@pytest.mark.parametrize("structure", [*STRUCTURES, "grn"])
+def test_the_loop_without_autograd_runs_segment_by_segment_to_the_same_output(structure, monkeypatch):
+    """Without autograd the loop runs each expert's whole FFN on its segment in turn (its hidden activations
+    stay in cache); it gives what the loop with autograd gives, and each expert by hand."""
+    from moespec.layers.experts import SegmentLinear
+
+    if structure == "grn":
+        torch.manual_seed(0)
+        bank = Experts(4, 8, 4, 12, act=nn.GELU(), inner_norm="grn")
+        for p in bank.parameters():
+            nn.init.normal_(p, std=0.5)
+    else:
+        bank = _bank(structure)
+    bank.dispatch = "loop"
+    counts = torch.tensor([3, 0, 6, 2])
+    x, groups = torch.randn(11, 8), torch.tensor([0, 1, 1, 0, 0, 0, 1, 1, 1, 0, 1])
+    groups = groups if structure == "grn" else None
+    with_grad = bank(x.requires_grad_(), counts, groups).detach()
+    calls = []
+    monkeypatch.setattr(SegmentLinear, "apply", lambda *args: calls.append(args) or None)
+    with torch.no_grad():
+        without = bank(x, counts, groups)
+    assert calls == []  # not the segment-linear step: expert by expert
+    torch.testing.assert_close(without, with_grad, atol=1e-6, rtol=1e-6)
+    if structure != "grn":
+        torch.testing.assert_close(without, _by_hand(bank, x.detach(), counts.tolist()), atol=1e-5, rtol=1e-5)
+
+
 def test_segment_and_expert_linear_pass_gradcheck():
     from moespec.layers.experts import ExpertLinear, SegmentLinear
 
