@@ -256,7 +256,7 @@ def peer_bench(device, dtype, quick: bool) -> dict:
     GELU families), and Soft MoE with 192 slots at E in {8, 32}."""
     images, per_image = 32, 197
     x = torch.randn(images, per_image, DIM, device=device, dtype=dtype)
-    repeats = 3 if quick else 5
+    repeats = 3 if quick else 9
     rows, skipped = [], []
     for experts, top_k in [(8, 2)] if quick else [(e, k) for e in (8, 32) for k in (1, 2)]:
         peers = []

@@ -8,13 +8,18 @@ The rule is a pure function of the device, the dtype, the widths, the experts st
 rows routed to them. The same inputs always give the same step, so a run stays bit-reproducible: the steps
 agree to float rounding, not bit for bit, and nothing here times anything.
 
-CPU, fitted on `python tools/bench_moe.py --only layer` (fp32, 2 threads; the figures are in its output):
-the loop runs every expert's matmul at the full speed of the BLAS once an expert gets a few hundred rows,
-and adds nothing around it. With fewer rows, E small matmuls (the loop's, or grouped_mm's segments) each
-pay their packing and call overhead, and one padded `bmm` pair beats them, padding included: at T = 197
-tokens padded was the fastest step in 7 of 8 settings (E in {8, 32}, k in {1, 2}, forward and forward +
-backward), by up to 1.7x at E = 32. So padded below a mean of 128 rows per expert, the loop above.
-grouped_mm is never the CPU's pick: in this torch it was never the fastest there, and is kept to force.
+CPU, fitted on `python tools/bench_moe.py --only layer` and on a sweep of its settings over the mean rows
+per expert (fp32, 2 threads): with a few dozen rows per expert, every step is bound by reading the expert
+weights, and what differs is the work around the matmuls. grouped_mm, one C++ call over all segments, was
+the fastest or within 5% of it at every mean below 64 rows per expert, in all measurements but two (E = 8,
+k = 2, T = 197 forward: 7% behind padded; one of three runs of E = 8, k = 1, T = 197 forward), and up to
+1.6x ahead of padded (E = 32, k = 1, T = 197, forward), whose bmm pays for the padding up to the largest
+segment. From about a hundred rows per expert on, the loop is the fastest or within 4%: each expert's
+matmul runs at the BLAS's full speed, and without autograd it runs each expert's whole FFN while the hidden
+activations are in cache. So grouped_mm below a mean of 64 rows per expert (padded where grouped_mm cannot
+run: float64, rows not 16-byte aligned, torch < 2.9), the loop above. The CPU behind this machine changes:
+an earlier fit, on one with 30% more memory bandwidth (33.8 vs 26.1 GB/s), had found padded the fastest at
+T = 197, and the rule follows the newest measurement.
 
 CUDA: grouped_mm in bf16 on Hopper or newer (its fast kernels); padded otherwise, which keeps every step on
 the device, where the loop's per-expert launches and host sync cost most.
@@ -25,7 +30,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-CPU_PADDED_BELOW = 128  # mean rows per expert below which padded beats the loop on CPU
+CPU_GROUPED_BELOW = 64  # mean rows per expert below which grouped_mm beats the loop on CPU
 GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what F.grouped_mm takes (not float64)
 
 
@@ -40,8 +45,10 @@ def auto_step(x: torch.Tensor, experts: int, aligned: bool) -> str:
     Args:
         aligned: every weight row stride is a multiple of 16 bytes (grouped_mm's kernels need it).
     """
+    grouped = aligned and has_grouped_mm() and x.dtype in GROUPED_DTYPES
     if x.is_cuda:
-        grouped = aligned and has_grouped_mm() and x.dtype == torch.bfloat16
         hopper = torch.cuda.get_device_capability(x.device) >= (9, 0)
-        return "grouped_mm" if grouped and hopper else "padded"
-    return "padded" if x.shape[0] < CPU_PADDED_BELOW * experts else "loop"
+        return "grouped_mm" if grouped and x.dtype == torch.bfloat16 and hopper else "padded"
+    if x.shape[0] < CPU_GROUPED_BELOW * experts:
+        return "grouped_mm" if grouped else "padded"
+    return "loop"

@@ -60,18 +60,20 @@ def test_no_rows_gives_an_empty_output(dispatch):
     assert bank(torch.zeros(0, 8), torch.zeros(4, dtype=torch.long)).shape == (0, 12)
 
 
-def test_auto_picks_padded_for_few_rows_per_expert_and_the_loop_for_many_on_cpu():
-    from moespec.layers.dispatch import CPU_PADDED_BELOW
+def test_auto_picks_grouped_mm_for_few_rows_per_expert_and_the_loop_for_many_on_cpu():
+    from moespec.layers.dispatch import CPU_GROUPED_BELOW
 
-    bank = _bank("plain")  # 4 experts
-    x = torch.zeros(4 * CPU_PADDED_BELOW, 8)
+    bank = _bank("plain")  # 4 experts, widths 8 -> 4 -> 12: every row 16-byte aligned in float32
+    x = torch.zeros(4 * CPU_GROUPED_BELOW, 8)
     for grad in (True, False):  # the same in training and in inference
         with torch.set_grad_enabled(grad):
-            assert bank.strategy(x[:-1]) == "padded"
+            assert bank.strategy(x[:-1]) == "grouped_mm"
             assert bank.strategy(x) == "loop"
     assert bank.strategy(torch.zeros(8, 8, dtype=torch.float64)) == "padded"  # grouped_mm takes no float64
-    bank.dispatch = "grouped_mm"
-    assert bank.strategy(torch.zeros(10_000, 8)) == "grouped_mm"  # a forced step is taken as is
+    odd = Experts(4, 6, 10, 6, act=nn.GELU())  # 6 floats = 24 bytes a row: grouped_mm's kernels refuse it
+    assert odd.strategy(torch.zeros(8, 6)) == "padded"
+    bank.dispatch = "padded"
+    assert bank.strategy(torch.zeros(10_000, 8)) == "padded"  # a forced step is taken as is
     grn = Experts(2, 6, 5, 6, act=nn.GELU(), inner_norm="grn")
     grn.dispatch = "padded"  # GRN normalizes per image: only the loop knows the images
     assert grn.strategy(torch.zeros(8, 6)) == "loop"
