@@ -7,7 +7,7 @@ Weights are stacked (`fc1.weight: [E, H, C]`) and only ever used through batched
 `SegmentLinear`), whose backward writes one stacked gradient in the weights' layout (indexing `weight[e]` per
 expert would allocate a full-size gradient per expert). Three expert steps run the rows
 (sorted by expert, `counts[e]` rows for expert e), all the same function; `Experts.dispatch` forces one, and
-"auto" (the default) takes the one `dispatch.auto_step` picks for the device, dtype and sizes:
+"auto" (the default) takes the one `dispatch.auto_step` picks for the device, dtype, sizes and counts:
 
     grouped_mm  `F.grouped_mm` over the jagged segments, no host sync
     padded      rows scattered into [E, max count, C] and two `bmm`s
@@ -137,7 +137,7 @@ class Experts(nn.Module):
         Returns:
             [S, C'] expert outputs in the same order.
         """
-        strategy = self.strategy(x)
+        strategy = self.strategy(x, counts)
         expert = torch.repeat_interleave(torch.arange(self.local_experts, device=x.device), counts,
                                          output_size=x.shape[0])  # expert of each row
         if strategy == "loop":
@@ -148,13 +148,14 @@ class Experts(nn.Module):
 
     dispatch: Dispatch = "auto"  # set on an instance (or the class) to force one expert step
 
-    def strategy(self, x: torch.Tensor) -> str:
-        """The expert step for rows `x`: `dispatch` unless "auto", else `auto_step`'s pick (GRN: the loop)."""
+    def strategy(self, x: torch.Tensor, counts: torch.Tensor) -> str:
+        """The expert step for rows `x` (`counts` per expert): `dispatch` unless "auto", else `auto_step`'s pick
+        (GRN: the loop)."""
         if self.needs_groups:
             return "loop"
         if self.dispatch != "auto":
             return self.dispatch
-        return auto_step(x, self.local_experts, self._aligned(x.element_size()))
+        return auto_step(x, counts, self._aligned(x.element_size()))
 
     def _aligned(self, element_size: int) -> bool:
         """grouped_mm kernels need every row stride to be a multiple of 16 bytes."""

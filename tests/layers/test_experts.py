@@ -60,27 +60,37 @@ def test_no_rows_gives_an_empty_output(dispatch):
     assert bank(torch.zeros(0, 8), torch.zeros(4, dtype=torch.long)).shape == (0, 12)
 
 
-def test_auto_picks_grouped_mm_for_few_rows_per_expert_and_the_loop_for_many_on_cpu():
-    from moespec.layers.dispatch import CPU_GROUPED_BELOW
+def test_auto_picks_grouped_mm_or_padded_for_few_rows_per_expert_and_the_loop_for_many_on_cpu():
+    from moespec.layers.dispatch import CPU_GROUPED_BELOW, CPU_PADDED_FROM
+
+    def rows(*counts):
+        counts = torch.tensor(counts)
+        return torch.zeros(int(counts.sum()), 8), counts
 
     bank = _bank("plain")  # 4 experts, widths 8 -> 4 -> 12: every row 16-byte aligned in float32
-    x = torch.zeros(4 * CPU_GROUPED_BELOW, 8)
+    many = 4 * CPU_GROUPED_BELOW
     for grad in (True, False):  # the same in training and in inference
         with torch.set_grad_enabled(grad):
-            assert bank.strategy(x[:-1]) == "grouped_mm"
-            assert bank.strategy(x) == "loop"
-    assert bank.strategy(torch.zeros(8, 8, dtype=torch.float64)) == "padded"  # grouped_mm takes no float64
+            assert bank.strategy(*rows(many - 4, 2, 1, 0)) == "grouped_mm"  # uneven
+            assert bank.strategy(*rows(many // 4, many // 4, many // 4, many // 4 - 1)) == "padded"  # even
+            assert bank.strategy(*rows(many, 0, 0, 0)) == "loop"  # a mean of 64 rows per expert
+            assert bank.strategy(*rows(*[CPU_PADDED_FROM] * 4)) == "padded"
+            assert bank.strategy(*rows(*[CPU_PADDED_FROM - 1] * 4)) == "grouped_mm"  # even but few
+            assert bank.strategy(*rows(22, 20, 20, 18)) == "padded"  # largest 22 = mean 20 + 10%
+            assert bank.strategy(*rows(23, 20, 20, 17)) == "grouped_mm"  # 23 > mean + 10%
+            assert bank.strategy(*rows(0, 0, 0, 0)) == "grouped_mm"
+    assert bank.strategy(torch.zeros(8, 8, dtype=torch.float64), torch.tensor([8, 0, 0, 0])) == "padded"  # no float64
     odd = Experts(4, 6, 10, 6, act=nn.GELU())  # 6 floats = 24 bytes a row: grouped_mm's kernels refuse it
-    assert odd.strategy(torch.zeros(8, 6)) == "padded"
+    assert odd.strategy(torch.zeros(8, 6), torch.tensor([8, 0, 0, 0])) == "padded"
     bank.dispatch = "padded"
-    assert bank.strategy(torch.zeros(10_000, 8)) == "padded"  # a forced step is taken as is
+    assert bank.strategy(*rows(10_000, 0, 0, 0)) == "padded"  # a forced step is taken as is
     grn = Experts(2, 6, 5, 6, act=nn.GELU(), inner_norm="grn")
     grn.dispatch = "padded"  # GRN normalizes per image: only the loop knows the images
-    assert grn.strategy(torch.zeros(8, 6)) == "loop"
+    assert grn.strategy(torch.zeros(8, 6), torch.tensor([8, 0])) == "loop"
 
 
-def test_auto_is_a_function_of_the_shapes_only():
-    """Same inputs, same step, so that a run is bit-reproducible: nothing is timed at run time."""
+def test_auto_is_a_function_of_the_inputs_only():
+    """Same inputs (shapes, dtype, counts), same step, so that a run is bit-reproducible: nothing is timed."""
     bank = _bank("plain")
     x = torch.randn(300, 8)
     counts = torch.tensor([100, 50, 100, 50])
