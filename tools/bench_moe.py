@@ -58,13 +58,17 @@ def _time(fn, repeats: int) -> list[float]:
 
 
 def interleaved(fns: dict, repeats: int) -> dict[str, float]:
-    """Median ms of each fn, run in turns (a, b, a, b, ...) after one warm-up each."""
+    """Median ms of each fn, run in turns after one warm-up each. The order rotates every round (a b c, b c a,
+    c a b, ...): a fn that runs right after a similar one finds its weights in cache, so in a fixed order the
+    same step timed twice differed by up to 10%, depending on what ran before it."""
     for fn in fns.values():
         fn()
+    names = list(fns)
     samples: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            samples[name] += _time(fn, 1)
+    for turn in range(repeats):
+        shift = turn % len(names)
+        for name in names[shift:] + names[:shift]:
+            samples[name] += _time(fns[name], 1)
     return {name: statistics.median(values) for name, values in samples.items()}
 
 
