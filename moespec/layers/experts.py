@@ -4,15 +4,15 @@
     fc1 -> split (a, b) -> act(a) * b  or  a * act(b) -> [norm] -> ... -> fc2  (gated, GLU / SwiGLU)
 
 Weights are stacked (`fc1.weight: [E, H, C]`) and only ever used through batched ops (`ExpertLinear`,
-`SegmentLinear`), whose backward writes one stacked gradient in the weights' layout (indexing `weight[e]` per
+`SegmentGraphs`), whose backward writes one stacked gradient in the weights' layout (indexing `weight[e]` per
 expert would allocate a full-size gradient per expert). Three expert steps run the rows
 (sorted by expert, `counts[e]` rows for expert e), all the same function; `Experts.dispatch` forces one, and
 "auto" (the default) takes the one `dispatch.auto_step` picks for the device, dtype, sizes and counts:
 
     grouped_mm  `F.grouped_mm` over the jagged segments, no host sync
     padded      rows scattered into [E, max count, C] and two `bmm`s
-    loop        one dense matmul per contiguous segment (without autograd: each expert's whole FFN on its
-                segment in turn, its hidden activations in cache); the only step for GRN experts
+    loop        each expert's whole FFN on its contiguous segment in turn, its hidden activations in cache
+                (under autograd, a small graph per segment); the only step for GRN experts
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from typing import Literal, Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 from .dispatch import auto_step
 from .routing import at_least_fp32
@@ -138,10 +139,10 @@ class Experts(nn.Module):
             [S, C'] expert outputs in the same order.
         """
         strategy = self.strategy(x, counts)
+        if strategy == "loop":
+            return self._loop(x, counts, groups)
         expert = torch.repeat_interleave(torch.arange(self.local_experts, device=x.device), counts,
                                          output_size=x.shape[0])  # expert of each row
-        if strategy == "loop":
-            return self._loop(x, counts, expert, groups)
         if strategy == "grouped_mm":
             return self._grouped(x, counts, expert)
         return self._padded(x, counts, expert)
@@ -162,21 +163,14 @@ class Experts(nn.Module):
         widths = (self.in_features, self.fc1.out_features, self.hidden, self.out_features)
         return all(width * element_size % 16 == 0 for width in widths)
 
-    def _loop(self, x: torch.Tensor, counts: torch.Tensor, expert: torch.Tensor,
-              groups: torch.Tensor | None) -> torch.Tensor:
-        """One matmul per segment (`SegmentLinear`, one host sync for the counts). GRN's groups become (expert,
-        image) pairs, so that each expert normalizes over its own rows of each image."""
+    def _loop(self, x: torch.Tensor, counts: torch.Tensor, groups: torch.Tensor | None) -> torch.Tensor:
+        """Each expert's whole FFN on its own segment in turn (one host sync for the counts): its hidden
+        activations ([rows, H], a few MB) stay in cache from fc1 to fc2 instead of [S, H] tensors going through
+        memory between every op. Under autograd each segment is a small graph of its own (`SegmentGraphs`).
+        GRN normalizes over each image's rows within a segment, which are one expert's."""
         segments = counts.tolist()
-        if groups is not None:
-            groups = expert * (int(groups.max()) + 1 if groups.numel() else 1) + groups
-        if not torch.is_grad_enabled() or not (x.requires_grad or self.fc1.weight.requires_grad):
-            return self._segment_by_segment(x, segments, groups)
-        return self._rowwise(x, expert, groups, lambda h, w, b: SegmentLinear.apply(h, w, b, segments))
-
-    def _segment_by_segment(self, x: torch.Tensor, segments: list[int], groups: torch.Tensor | None) -> torch.Tensor:
-        """Without autograd: each expert's whole FFN on its own segment in turn, so that its hidden activations
-        ([rows, H], a few MB) stay in cache from fc1 to fc2 instead of a [S, H] tensor going through memory
-        between every op. Each op is the one `_rowwise` runs, on fewer rows: the same values."""
+        if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in self.parameters())):
+            return SegmentGraphs.apply(x, self, segments, groups, *self._param_list())
         params = [self._unbind(p) for p in self._param_list()]
         out = x.new_empty(x.shape[0], self.out_features)
         for e, rows in _segments(segments):
@@ -205,14 +199,13 @@ class Experts(nn.Module):
     def _grouped(self, x: torch.Tensor, counts: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
         """`F.grouped_mm` over the jagged segments (offsets stay on the device: no host sync)."""
         offsets = torch.cumsum(counts, 0).to(torch.int32)
-        return self._rowwise(x, expert, None, lambda h, w, b: ExpertLinear.apply(h, w, b, offsets, expert))
-
-    def _rowwise(self, x: torch.Tensor, expert: torch.Tensor, groups: torch.Tensor | None, linear) -> torch.Tensor:
-        """The experts on rows x [S, C] sorted by expert, `linear` applying fc1 / fc2 per segment; everything
-        between the two runs once over all rows, with norm parameters gathered per row."""
         w1, b1, norm_w, norm_b, w2, b2 = self._param_list()
-        rowwise = [None if p is None else p.index_select(0, expert) for p in (norm_w, norm_b)]
-        return self._expert(x, [w1, b1, *rowwise, w2, b2], groups, linear=linear)
+        rowwise = [None if p is None else p.index_select(0, expert) for p in (norm_w, norm_b)]  # per row
+
+        def linear(h, weight, bias):
+            return ExpertLinear.apply(h, weight, bias, offsets, expert)
+
+        return self._expert(x, [w1, b1, *rowwise, w2, b2], None, linear=linear)
 
     def forward_all(self, x: torch.Tensor, groups: torch.Tensor | None = None) -> torch.Tensor:
         """Every expert on every row, summed: the always-active shared experts. x: [T, C] -> [T, C']."""
@@ -293,6 +286,7 @@ class ExpertLinear(torch.autograd.Function):
     def backward(ctx, grad):
         x, weight, offsets, expert = ctx.saved_tensors
         grad = grad.contiguous()
+        x, weight = x.to(grad.dtype), weight.to(grad.dtype)  # autocast ran forward in grad's lower precision
         need_x, need_weight, need_bias = ctx.needs_input_grad[:3]
         grad_x = grad_weight = grad_bias = None
         if offsets is None:
@@ -307,46 +301,69 @@ class ExpertLinear(torch.autograd.Function):
         return grad_x, grad_weight, grad_bias, None, None
 
 
-class SegmentLinear(torch.autograd.Function):
-    """Expert e's linear map on its segment of rows, `x[seg_e] @ weight[e].T + bias[e]`, one BLAS call per
-    non-empty segment (`segments`: rows per expert, on the host), each writing straight into its rows of one
-    output. Backward does the same for the input gradient and writes each expert's weight and bias gradient
-    into one [E, ...] tensor in the weights' layout: no concatenation of outputs and no stacking of per-expert
-    gradients (what `unbind` + `F.linear` + `cat` would cost)."""
+class SegmentGraphs(torch.autograd.Function):
+    """The loop step under autograd: expert e's whole FFN on its segment of rows, each segment a small autograd
+    graph of its own whose leaves are the segment and expert e's slices of the parameters. Every intermediate
+    is segment-sized, so it stays in cache and comes from malloc's heap; [S, H] tensors for all rows at once
+    are mapped fresh at every step (tens of thousands of page faults a step on CPU) and go through memory
+    between ops. Backward runs each segment's graph and writes the parameter gradients into stacked tensors in
+    the parameters' own layout (indexing `weight[e]` under autograd would allocate a full-size gradient per
+    expert), zero for experts without rows.
+
+    The segment graphs stay on this node until its backward, so they hold what autograd would have saved.
+    A backward that keeps the graph (`retain_graph=True`) keeps them too."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, segments):
-        ctx.save_for_backward(x, weight)
-        ctx.segments, ctx.has_bias = segments, bias is not None
-        out = x.new_empty(x.shape[0], weight.shape[1])
+    def forward(ctx, x, bank, segments, groups, *params):
+        needs = ctx.needs_input_grad
+        out = x.new_empty(x.shape[0], bank.out_features)
+        ctx.graphs, ctx.params = [], [(p.shape, p.dtype) if p is not None else None for p in params]
         for e, rows in _segments(segments):
-            if bias is None:
-                torch.mm(x[rows], weight[e].t(), out=out[rows])
-            else:
-                torch.addmm(bias[e], x[rows], weight[e].t(), out=out[rows])
+            leaves = [x[rows].detach().requires_grad_(needs[0])]
+            leaves += [p[e].detach().requires_grad_(need) if p is not None else None
+                       for p, need in zip(params, needs[4:], strict=True)]
+            with torch.enable_grad():
+                y = bank._expert(leaves[0], leaves[1:], groups[rows] if groups is not None else None)
+            out[rows] = y.detach()
+            y.untyped_storage().resize_(0)  # backward needs y's graph, not its values (fc2 and dropout keep none)
+            ctx.graphs.append((e, rows, leaves, y))
+        ctx.x_shape, ctx.experts = x.shape, len(segments)
         return out
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad):
-        x, weight = ctx.saved_tensors
-        grad = grad.contiguous()
-        need_x, need_weight, need_bias = ctx.needs_input_grad[:3]
-        grad_x = x.new_empty(x.shape) if need_x else None
-        grad_weight = torch.empty_like(weight) if need_weight else None
-        grad_bias = weight.new_empty(weight.shape[:2]) if ctx.has_bias and need_bias else None
-        for e, count in enumerate(ctx.segments):  # an expert with no rows: zero (filling all would cost a pass)
-            if not count:
-                for g in (grad_weight, grad_bias):
-                    if g is not None:
-                        g[e].zero_()
-        for e, rows in _segments(ctx.segments):
-            if need_x:
-                torch.mm(grad[rows], weight[e], out=grad_x[rows])
-            if need_weight:
-                torch.mm(grad[rows].t(), x[rows], out=grad_weight[e])
-            if grad_bias is not None:
-                torch.sum(grad[rows], 0, out=grad_bias[e])
-        return grad_x, grad_weight, grad_bias, None
+        needs = ctx.needs_input_grad
+        grads = [grad.new_empty(ctx.x_shape) if needs[0] else None]
+        grads += [grad.new_empty(spec[0], dtype=spec[1]) if spec is not None and need else None
+                  for spec, need in zip(ctx.params, needs[4:], strict=True)]
+        filled = set()
+        keep = _keeps_graph()
+        for e, rows, leaves, y in ctx.graphs:
+            wanted = [i for i, leaf in enumerate(leaves) if leaf is not None and leaf.requires_grad]
+            got = torch.autograd.grad(y, [leaves[i] for i in wanted], grad[rows], retain_graph=keep,
+                                      allow_unused=True)
+            for i, g in zip(wanted, got, strict=True):
+                target = grads[i][rows] if i == 0 else grads[i][e]
+                if g is None:
+                    target.zero_()
+                else:
+                    target.copy_(g)
+            filled.add(e)
+        for g in grads[1:]:  # experts with no rows: zero (filling every gradient first would cost a pass)
+            if g is not None:
+                for e in set(range(ctx.experts)) - filled:
+                    g[e].zero_()
+        if not keep:
+            ctx.graphs = None
+        return (grads[0], None, None, None, *grads[1:])
+
+
+def _keeps_graph() -> bool:
+    """Whether the running backward keeps its graph (`retain_graph=True`): torch's own flag where this torch
+    has it, else assume it does (correct, and frees the segment graphs with this node instead)."""
+    query = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+    return query() if query is not None else True
 
 
 def _segments(segments: Sequence[int]):

@@ -81,9 +81,11 @@ class MoE(nn.Module):
             out = self.experts(items.index_select(0, rows), routing.counts,
                                groups.index_select(0, rows) if groups is not None else None)
             weights = routing.weights.unsqueeze(-1)
-            # in place when autograd does not need `out`: one [pairs, C] buffer less to allocate
-            out = out.mul_(weights) if not (out.requires_grad or weights.requires_grad) else out * weights
-            y = items.new_zeros(items.shape[0], out.shape[-1]).index_add_(0, rows, out)
+            # in place when autograd does not need `out` and the product keeps its dtype (under autocast the
+            # experts give bfloat16 and the weights are float32): one [pairs, C] buffer less to allocate
+            in_place = not (out.requires_grad or weights.requires_grad) and out.dtype == weights.dtype
+            out = out.mul_(weights) if in_place else out * weights
+            y = out.new_zeros(items.shape[0], out.shape[-1]).index_add_(0, rows, out)
         if self.shared is not None:
             y = y + self.shared.forward_all(items, groups)
         if not exporting:  # an exported graph is a pure function: no routing state, no aux loss

@@ -156,41 +156,86 @@ def test_every_step_matches_each_expert_by_hand_with_gradients(structure, dispat
     assert grads["fc1.weight"][1].abs().max() == 0  # the expert without rows
 
 
-@pytest.mark.parametrize("structure", [*STRUCTURES, "grn"])
-def test_the_loop_without_autograd_runs_segment_by_segment_to_the_same_output(structure, monkeypatch):
-    """Without autograd the loop runs each expert's whole FFN on its segment in turn (its hidden activations
-    stay in cache); it gives what the loop with autograd gives, and each expert by hand."""
-    from moespec.layers.experts import SegmentLinear
+def _grn_bank() -> Experts:
+    torch.manual_seed(0)
+    bank = Experts(4, 8, 4, 12, act=nn.GELU(), inner_norm="grn")
+    for p in bank.parameters():
+        nn.init.normal_(p, std=0.5)
+    return bank
 
-    if structure == "grn":
-        torch.manual_seed(0)
-        bank = Experts(4, 8, 4, 12, act=nn.GELU(), inner_norm="grn")
-        for p in bank.parameters():
-            nn.init.normal_(p, std=0.5)
-    else:
-        bank = _bank(structure)
+
+@pytest.mark.parametrize("structure", [*STRUCTURES, "grn"])
+def test_the_loop_gives_the_same_output_with_and_without_autograd(structure):
+    """The loop runs each expert's whole FFN on its segment in turn; under autograd each segment is a graph of
+    its own (`SegmentGraphs`), without it plain ops: the same ops on the same rows, so the same bits."""
+    bank = _grn_bank() if structure == "grn" else _bank(structure)
     bank.dispatch = "loop"
     counts = torch.tensor([3, 0, 6, 2])
     x, groups = torch.randn(11, 8), torch.tensor([0, 1, 1, 0, 0, 0, 1, 1, 1, 0, 1])
     groups = groups if structure == "grn" else None
-    with_grad = bank(x.requires_grad_(), counts, groups).detach()
-    calls = []
-    monkeypatch.setattr(SegmentLinear, "apply", lambda *args: calls.append(args) or None)
+    with_grad = bank(x.requires_grad_(), counts, groups)
+    assert type(with_grad.grad_fn).__name__ == "SegmentGraphsBackward"
     with torch.no_grad():
         without = bank(x, counts, groups)
-    assert calls == []  # not the segment-linear step: expert by expert
-    torch.testing.assert_close(without, with_grad, atol=1e-6, rtol=1e-6)
+    assert torch.equal(without, with_grad.detach())
     if structure != "grn":
         torch.testing.assert_close(without, _by_hand(bank, x.detach(), counts.tolist()), atol=1e-5, rtol=1e-5)
 
 
-def test_segment_and_expert_linear_pass_gradcheck():
-    from moespec.layers.experts import ExpertLinear, SegmentLinear
+@pytest.mark.parametrize("structure", ["plain", "swiglu", "layernorm", "grn"])
+def test_the_loop_under_autograd_passes_gradcheck(structure):
+    """Gradients of the input and of every stacked parameter, an expert without rows included."""
+    bank = (_grn_bank() if structure == "grn" else _bank(structure)).double()
+    bank.dispatch = "loop"
+    names = [name for name, _ in bank.named_parameters()]
+    counts, groups = torch.tensor([2, 0, 4, 1]), torch.tensor([0, 1, 0, 0, 1, 1, 0])
 
-    x = torch.randn(7, 5, dtype=torch.float64, requires_grad=True)
+    def run(x, *params):
+        return torch.func.functional_call(bank, dict(zip(names, params, strict=True)),
+                                          (x, counts, groups if structure == "grn" else None))
+
+    x = torch.randn(7, 8, dtype=torch.float64, requires_grad=True)
+    params = [p.detach().clone().requires_grad_() for p in bank.parameters()]
+    assert torch.autograd.gradcheck(run, (x, *params))
+
+
+def test_the_loop_under_autograd_keeps_its_graph_when_asked_and_frees_it_otherwise():
+    bank = _bank("plain")
+    bank.dispatch = "loop"
+    x, counts = torch.randn(11, 8, requires_grad=True), torch.tensor([3, 0, 6, 2])
+    loss = bank(x, counts).square().sum()
+    loss.backward(retain_graph=True)
+    once = bank.fc1.weight.grad.clone()
+    loss.backward()  # the segment graphs were kept: the same gradient again
+    torch.testing.assert_close(bank.fc1.weight.grad, 2 * once)
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        loss.backward()
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_the_loop_under_activation_checkpointing_gives_the_same_gradients(reentrant):
+    from torch.utils.checkpoint import checkpoint
+
+    bank = _bank("layernorm")
+    bank.dispatch = "loop"
+    x, counts = torch.randn(11, 8, requires_grad=True), torch.tensor([3, 0, 6, 2])
+
+    def gradients(run):
+        bank.zero_grad(set_to_none=True)
+        x.grad = None
+        run().square().sum().backward()
+        return [x.grad.clone()] + [p.grad.clone() for p in bank.parameters()]
+
+    plain = gradients(lambda: bank(x, counts))
+    checkpointed = gradients(lambda: checkpoint(bank, x, counts, use_reentrant=reentrant))
+    for a, b in zip(plain, checkpointed, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_expert_linear_passes_gradcheck():
+    from moespec.layers.experts import ExpertLinear
+
     weight = torch.randn(3, 4, 5, dtype=torch.float64, requires_grad=True)
     bias = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
-    assert torch.autograd.gradcheck(lambda x, w, b: SegmentLinear.apply(x, w, b, [2, 0, 5]), (x, weight, bias))
-    assert torch.autograd.gradcheck(lambda x, w: SegmentLinear.apply(x, w, None, [7, 0, 0]), (x, weight))
     padded = torch.randn(3, 2, 5, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(lambda x, w, b: ExpertLinear.apply(x, w, b, None, None), (padded, weight, bias))

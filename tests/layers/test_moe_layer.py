@@ -57,6 +57,23 @@ def test_dispatch_matches_per_item_reference(experts, top_k, normalize, dispatch
     torch.testing.assert_close(moe(x), _reference(moe, x), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dispatch", ["loop", "padded", "grouped_mm"])
+def test_every_step_runs_under_bfloat16_autocast_with_and_without_autograd(dispatch):
+    """Under autocast the experts give bfloat16 and the routing weights stay float32: the output is the
+    float32 reference to bfloat16 rounding, in training and in inference (the no-grad path scales in place
+    only when that keeps the dtype: it once raised in index_add_)."""
+    moe = _moe(dim=8, hidden=4, experts=4, top_k=2)
+    moe.experts.dispatch = dispatch
+    x = torch.randn(2, 7, 8, requires_grad=True)
+    reference = _reference(moe, x.detach())
+    for grad in (False, True):
+        with torch.set_grad_enabled(grad), torch.autocast("cpu", dtype=torch.bfloat16):
+            y = moe(x)
+        torch.testing.assert_close(y.float(), reference, atol=0.1, rtol=0.05)
+    y.float().square().mean().backward()
+    assert x.grad.isfinite().all() and moe.experts.fc1.weight.grad.abs().sum() > 0
+
+
 def test_capacity_keeps_first_items_in_order_and_zeroes_dropped():
     moe = _moe(experts=4, top_k=1, capacity_factor=1.0).eval()
     with torch.no_grad():  # every item prefers expert 2
