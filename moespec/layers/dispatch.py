@@ -11,8 +11,8 @@ agree to float rounding, not bit for bit, and nothing here times anything.
 CPU, fitted on `python tools/bench_moe.py --only layer` and on sweeps of its settings over the mean rows
 per expert and over how unevenly they are spread (fp32, 2 threads). From about a hundred rows per expert on,
 the loop is the fastest or within 4%: each expert's matmul runs at the BLAS's full speed, and it runs each
-expert's whole FFN while the hidden activations are in cache. Below, with a few dozen
-rows per expert, what differs is the work around the matmuls. grouped_mm, one C++ call over all segments,
+expert's whole FFN while the hidden activations are in cache. Below, with a few dozen rows per expert, what
+differs is the work around the matmuls. grouped_mm, one C++ call over all segments,
 was the fastest or within 5% of it at every mean below 64 rows per expert, up to 1.6x ahead of padded
 (E = 32, k = 1, T = 197, forward), whose bmm pays for the padding up to the largest segment; but when the
 segments are nearly even (the largest at most 10% above the mean, as under expert-choice routing or a

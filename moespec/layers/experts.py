@@ -327,7 +327,7 @@ class SegmentGraphs(torch.autograd.Function):
             out[rows] = y.detach()
             y.untyped_storage().resize_(0)  # backward needs y's graph, not its values (fc2 and dropout keep none)
             ctx.graphs.append((e, rows, leaves, y))
-        ctx.x_shape, ctx.experts = x.shape, len(segments)
+        ctx.x_shape, ctx.segments = x.shape, segments
         return out
 
     @staticmethod
@@ -337,7 +337,6 @@ class SegmentGraphs(torch.autograd.Function):
         grads = [grad.new_empty(ctx.x_shape) if needs[0] else None]
         grads += [grad.new_empty(spec[0], dtype=spec[1]) if spec is not None and need else None
                   for spec, need in zip(ctx.params, needs[4:], strict=True)]
-        filled = set()
         keep = _keeps_graph()
         for e, rows, leaves, y in ctx.graphs:
             wanted = [i for i, leaf in enumerate(leaves) if leaf is not None and leaf.requires_grad]
@@ -349,11 +348,10 @@ class SegmentGraphs(torch.autograd.Function):
                     target.zero_()
                 else:
                     target.copy_(g)
-            filled.add(e)
-        for g in grads[1:]:  # experts with no rows: zero (filling every gradient first would cost a pass)
-            if g is not None:
-                for e in set(range(ctx.experts)) - filled:
-                    g[e].zero_()
+        empty = [e for e, count in enumerate(ctx.segments) if not count]  # zero (filling all would cost a pass)
+        for g in grads[1:]:
+            if g is not None and empty:
+                g[empty] = 0
         if not keep:
             ctx.graphs = None
         return (grads[0], None, None, None, *grads[1:])
