@@ -56,6 +56,12 @@ class MoE(nn.Module):
         self.last_routing: Routing | None = None
         self.last_items = self.last_images = 0
 
+    def __getstate__(self) -> dict:
+        """A copy or pickle is of the layer, not of its last forward: the records that hold that forward's graph
+        start empty, as in a fresh layer (`copy.deepcopy` refuses tensors inside a graph, so copying a model
+        after a forward, as an EMA or a kept best model does, raised)."""
+        return {**self.__dict__, "aux_losses": {}, "last_routing": None, "last_items": 0, "last_images": 0}
+
     @property
     def num_experts(self) -> int:
         return self.experts.num_experts

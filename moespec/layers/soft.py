@@ -47,6 +47,10 @@ class SoftMoE(nn.Module):
         self.last_combine: torch.Tensor | None = None  # [B, N, S]: how much of each token's output each slot gives
         self.last_items = self.last_images = 0
 
+    def __getstate__(self) -> dict:
+        """A copy or pickle is of the layer, not of its last forward (see `MoE.__getstate__`)."""
+        return {**self.__dict__, "last_dispatch": None, "last_combine": None, "last_items": 0, "last_images": 0}
+
     def reset_parameters(self) -> None:
         """phi and the scale only; the expert banks reset themselves."""
         nn.init.normal_(self.phi, std=self.experts.in_features ** -0.5)  # LeCun normal, as in the paper

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import io
 import math
 
 import pytest
@@ -9,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moespec.layers import Experts, LinearGate, MoE, Routing, TopKRouter
+from moespec.layers import Experts, LinearGate, MoE, Routing, SoftMoE, TopKRouter
 from moespec.layers.moe import aux_loss
 from moespec.layers.routing import importance_load_loss, switch_loss, z_loss
 
@@ -137,6 +139,26 @@ def test_layer_records_last_forward_and_gradients_reach_gate_and_used_experts():
     for e in range(4):
         grad = moe.experts.fc1.weight.grad[e].abs().sum()
         assert (grad > 0) == (e in used)
+
+
+@pytest.mark.parametrize("soft", [False, True], ids=["moe", "soft_moe"])
+def test_a_layer_copies_and_pickles_after_a_forward_without_its_last_forward(soft):
+    """An EMA or a kept best model is a deep copy taken mid-training; the last forward's records hold its graph,
+    which deepcopy refuses. The copy starts with empty records and computes the same function."""
+    layer = SoftMoE(Experts(4, 6, 5, 6, act=nn.GELU())) if soft else _moe()
+    x = torch.randn(2, 9, 6)
+    y = layer(x)
+    y.square().mean().backward()
+    twin = copy.deepcopy(layer)
+    buffer = io.BytesIO()
+    torch.save(layer, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    for other in (twin, loaded):
+        assert other.last_items == 0 and not other.aux_losses
+        assert (other.last_dispatch if soft else other.last_routing) is None
+        assert torch.equal(other(x), y.detach())
+    assert layer.last_items == 18  # the original keeps its own
 
 
 def test_activated_macs_count_router_k_experts_combine_and_shared():
