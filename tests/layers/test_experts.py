@@ -60,28 +60,33 @@ def test_no_rows_gives_an_empty_output(dispatch):
     assert bank(torch.zeros(0, 8), torch.zeros(4, dtype=torch.long)).shape == (0, 12)
 
 
-def test_auto_picks_grouped_mm_or_padded_for_few_rows_per_expert_and_the_loop_for_many_on_cpu():
-    from moespec.layers.dispatch import CPU_GROUPED_BELOW, CPU_PADDED_FROM
+def test_auto_picks_padded_grouped_mm_or_the_loop_by_rows_per_expert_and_padding_waste_on_cpu():
+    from moespec.layers.dispatch import CPU_LOOP_FROM
 
     def rows(*counts):
         counts = torch.tensor(counts)
         return torch.zeros(int(counts.sum()), 8), counts
 
     bank = _bank("plain")  # 4 experts, widths 8 -> 4 -> 12: every row 16-byte aligned in float32
-    many = 4 * CPU_GROUPED_BELOW
+    many = 4 * CPU_LOOP_FROM
     for grad in (True, False):  # the same in training and in inference
         with torch.set_grad_enabled(grad):
-            assert bank.strategy(*rows(many - 4, 2, 1, 0)) == "grouped_mm"  # uneven
-            assert bank.strategy(*rows(many // 4, many // 4, many // 4, many // 4 - 1)) == "padded"  # even
-            assert bank.strategy(*rows(many, 0, 0, 0)) == "loop"  # a mean of 64 rows per expert
-            assert bank.strategy(*rows(*[CPU_PADDED_FROM] * 4)) == "padded"
-            assert bank.strategy(*rows(*[CPU_PADDED_FROM - 1] * 4)) == "grouped_mm"  # even but few
-            assert bank.strategy(*rows(22, 20, 20, 18)) == "padded"  # largest 22 = mean 20 + 10%
-            assert bank.strategy(*rows(23, 20, 20, 17)) == "grouped_mm"  # 23 > mean + 10%
-            assert bank.strategy(*rows(0, 0, 0, 0)) == "grouped_mm"
-    assert bank.strategy(torch.zeros(8, 8, dtype=torch.float64), torch.tensor([8, 0, 0, 0])) == "padded"  # no float64
+            assert bank.strategy(*rows(many, 0, 0, 0)) == "loop"  # a mean of 128 rows per expert, however uneven
+            assert bank.strategy(*rows(*[CPU_LOOP_FROM] * 4)) == "loop"
+            assert bank.strategy(*rows(*[CPU_LOOP_FROM - 1] * 4)) == "padded"  # even: no waste
+            # mean 20 rows: padded while 4 x largest <= 1.25 x 80 + 4 x 4 = 116, so a largest of 29 (1.45x)
+            assert bank.strategy(*rows(29, 20, 20, 11)) == "padded"
+            assert bank.strategy(*rows(30, 20, 20, 10)) == "grouped_mm"
+            # mean 2 rows: few rows tolerate more waste, 4 x largest <= 1.25 x 8 + 16 = 26, so 6 (3x the mean)
+            assert bank.strategy(*rows(6, 2, 0, 0)) == "padded"
+            assert bank.strategy(*rows(7, 1, 0, 0)) == "grouped_mm"
+            assert bank.strategy(*rows(100, 0, 0, 0)) == "grouped_mm"  # one busy expert: padding 4x
+            assert bank.strategy(*rows(0, 0, 0, 0)) == "padded"  # nothing to pad
+    double = torch.zeros(100, 8, dtype=torch.float64)  # grouped_mm takes no float64: the loop instead
+    assert bank.strategy(double, torch.tensor([100, 0, 0, 0])) == "loop"
+    assert bank.strategy(double, torch.tensor([25, 25, 25, 25])) == "padded"
     odd = Experts(4, 6, 10, 6, act=nn.GELU())  # 6 floats = 24 bytes a row: grouped_mm's kernels refuse it
-    assert odd.strategy(torch.zeros(8, 6), torch.tensor([8, 0, 0, 0])) == "padded"
+    assert odd.strategy(torch.zeros(100, 6), torch.tensor([100, 0, 0, 0])) == "loop"
     bank.dispatch = "padded"
     assert bank.strategy(*rows(10_000, 0, 0, 0)) == "padded"  # a forced step is taken as is
     grn = Experts(2, 6, 5, 6, act=nn.GELU(), inner_norm="grn")
