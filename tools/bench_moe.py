@@ -89,7 +89,8 @@ def layer_bench(device, dtype, quick: bool) -> list[dict]:
         row = _layer_setting(experts, top_k, tokens, device, dtype, bandwidth)
         rows.append(row)
         print(f"layer E={experts:3d} k={top_k} T={tokens:5d} ratio to dense (auto picks {row['auto_fwd']} | "
-              f"{row['auto_fwdbwd']})", flush=True)
+              f"{row['auto_fwdbwd']}; {row['rows_per_expert']:.1f} rows per expert, padding {row['waste']:.2f}x)",
+              flush=True)
         for label, name in (("fwd", "fwd    "), ("fwdbwd", "fwd+bwd")):
             forced = "  ".join(f"{s} {row[f'{label}_{s}_ratio']:.2f}x" for s in STEPS)
             print(f"    {name}: auto {row[f'{label}_auto_ratio']:.2f}x ({row[f'{label}_auto_ms']:.2f} ms vs dense "
@@ -140,8 +141,11 @@ def _layer_setting(experts: int, top_k: int, tokens: int, device, dtype, bandwid
         picked_fwd = _picked(moe, x)
     backward = interleaved({**{s: fwd_bwd(s) for s in steps},
                             "dense": dense_fwd_bwd}, repeats)
+    with torch.no_grad():
+        counts = moe.router(x.reshape(-1, dim), 1).counts
     row = {"experts": experts, "top_k": top_k, "tokens": tokens, "auto_fwd": picked_fwd,
-           "auto_fwdbwd": _picked(moe, x)}
+           "auto_fwdbwd": _picked(moe, x), "rows_per_expert": tokens * top_k / experts,
+           "waste": experts * int(counts.max()) / (tokens * top_k)}  # padded's batch over the real rows
     for label, times in (("fwd", forward), ("fwdbwd", backward)):
         row[f"{label}_dense_ms"] = times["dense"]
         for step in steps:

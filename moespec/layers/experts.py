@@ -152,12 +152,17 @@ class Experts(nn.Module):
 
     def strategy(self, x: torch.Tensor, counts: torch.Tensor) -> str:
         """The expert step for rows `x` (`counts` per expert): `dispatch` unless "auto", else `auto_step`'s pick
-        (GRN: the loop)."""
+        for a forward that autograd records or not (GRN: the loop)."""
         if self.needs_groups:
             return "loop"
         if self.dispatch != "auto":
             return self.dispatch
-        return auto_step(x, counts, self._aligned(x.element_size()))
+        return auto_step(x, counts, self._aligned(x.element_size()), backward=self._records_graph(x))
+
+    def _records_graph(self, x: torch.Tensor) -> bool:
+        """Whether autograd records this forward (a backward may follow): grad mode on, and x or a weight
+        requires grad."""
+        return torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in self.parameters()))
 
     def _aligned(self, element_size: int) -> bool:
         """grouped_mm kernels need every row stride to be a multiple of 16 bytes."""
@@ -170,7 +175,7 @@ class Experts(nn.Module):
         memory between every op. Under autograd each segment is a small graph of its own (`SegmentGraphs`).
         GRN normalizes over each image's rows within a segment, which are one expert's."""
         segments = counts.tolist()
-        if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in self.parameters())):
+        if self._records_graph(x):
             return SegmentGraphs.apply(x, self, segments, groups, *self._param_list())
         params = [self._unbind(p) for p in self._param_list()]
         out = x.new_empty(x.shape[0], self.out_features)

@@ -69,18 +69,22 @@ def test_auto_picks_padded_grouped_mm_or_the_loop_by_rows_per_expert_and_padding
 
     bank = _bank("plain")  # 4 experts, widths 8 -> 4 -> 12: every row 16-byte aligned in float32
     many = 4 * CPU_LOOP_FROM
-    for grad in (True, False):  # the same in training and in inference
+    for grad in (True, False):  # past padded's bound: grouped_mm when a backward may follow, else the loop
+        rowwise = "grouped_mm" if grad else "loop"
         with torch.set_grad_enabled(grad):
             assert bank.strategy(*rows(many, 0, 0, 0)) == "loop"  # a mean of 128 rows per expert, however uneven
             assert bank.strategy(*rows(*[CPU_LOOP_FROM] * 4)) == "loop"
             assert bank.strategy(*rows(*[CPU_LOOP_FROM - 1] * 4)) == "padded"  # even: no waste
-            # mean 20 rows: padded while 4 x largest <= 1.25 x 80 + 4 x 4 = 116, so a largest of 29 (1.45x)
-            assert bank.strategy(*rows(29, 20, 20, 11)) == "padded"
-            assert bank.strategy(*rows(30, 20, 20, 10)) == "grouped_mm"
-            # mean 2 rows: few rows tolerate more waste, 4 x largest <= 1.25 x 8 + 16 = 26, so 6 (3x the mean)
-            assert bank.strategy(*rows(6, 2, 0, 0)) == "padded"
-            assert bank.strategy(*rows(7, 1, 0, 0)) == "grouped_mm"
-            assert bank.strategy(*rows(100, 0, 0, 0)) == "grouped_mm"  # one busy expert: padding 4x
+            # padded while 4 x largest <= (1.5 + 10 / m - m / 256) x rows: at a mean of m = 100 rows per expert
+            # 4 x 120 = 480 <= 600 + 40 - 156.25 = 483.75 (1.2x the mean), not 121
+            assert bank.strategy(*rows(120, 94, 93, 93)) == "padded"
+            assert bank.strategy(*rows(121, 93, 93, 93)) == rowwise
+            # m = 20: 4 x 38 = 152 <= 120 + 40 - 6.25 = 153.75 (1.9x the mean), not 39
+            assert bank.strategy(*rows(38, 20, 11, 11)) == "padded"
+            assert bank.strategy(*rows(39, 19, 11, 11)) == rowwise
+            # m = 5: few rows tolerate more waste, 4 x 17 = 68 <= 30 + 40 - 0.4 = 69.6 (3.4x the mean), not 18
+            assert bank.strategy(*rows(17, 3, 0, 0)) == "padded"
+            assert bank.strategy(*rows(18, 2, 0, 0)) == rowwise
             assert bank.strategy(*rows(0, 0, 0, 0)) == "padded"  # nothing to pad
     double = torch.zeros(100, 8, dtype=torch.float64)  # grouped_mm takes no float64: the loop instead
     assert bank.strategy(double, torch.tensor([100, 0, 0, 0])) == "loop"
