@@ -111,6 +111,26 @@ def test_stats_frees_the_models_it_builds(monkeypatch):
         gc.enable()
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc_trim")
+def test_stats_gives_the_freed_heap_back_after_each_spec(monkeypatch):
+    """After each spec the heap memory it freed goes back to the system (glibc keeps it, fragmented, and the next
+    spec's peak stood on it), after the models are collected: malloc_trim runs once per spec, after gc."""
+    events = []
+
+    class Libc:
+        def malloc_trim(self, pad):
+            events.append(("trim", pad))
+            return 1
+
+    counting = sys.modules["moespec.counting.stats"]
+    monkeypatch.setattr(counting.ctypes, "CDLL", lambda name: Libc())
+    monkeypatch.setattr(counting.gc, "collect", lambda: events.append(("gc", None)))
+    for spec in (make_spec(TINY_VIT, [{"where": {"every": 1}, "experts": 4, "top_k": 2}]),
+                 make_spec(TINY_CONVNEXT, [{"where": {"last": 2}, "experts": 4}])):
+        moespec.stats(spec)
+    assert events == [("gc", None), ("trim", 0)] * 2
+
+
 def test_stats_allocates_no_weights(monkeypatch):
     """The dense backbone that stats traces has zero-stride views for parameters, its MoE layers are on the meta
     device: a spec of billions of parameters costs no weight memory."""
