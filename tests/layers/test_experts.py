@@ -191,6 +191,18 @@ def test_the_loop_gives_the_same_output_with_and_without_autograd(structure):
         torch.testing.assert_close(without, _by_hand(bank, x.detach(), counts.tolist()), atol=1e-5, rtol=1e-5)
 
 
+def test_the_loop_without_autograd_keeps_the_dropout_after_fc2():
+    """The loop without autograd runs the whole FFN, the dropout after fc2 included: in training p = 1 drops
+    everything, in eval it is the identity."""
+    torch.manual_seed(0)
+    bank = Experts(4, 8, 4, 12, act=nn.GELU(), drop=(0.0, 1.0))
+    bank.dispatch = "loop"
+    counts, x = torch.tensor([3, 0, 6, 2]), torch.randn(11, 8)
+    with torch.no_grad():
+        assert torch.equal(bank.train()(x, counts), torch.zeros(11, 12))
+        torch.testing.assert_close(bank.eval()(x, counts), _by_hand(bank, x, counts.tolist()), atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("structure", ["plain", "swiglu", "layernorm", "grn"])
 def test_the_loop_under_autograd_passes_gradcheck(structure):
     """Gradients of the input and of every stacked parameter, an expert without rows included."""
