@@ -7,7 +7,8 @@ Weights are stacked (`fc1.weight: [E, H, C]`) and only ever used through batched
 `SegmentGraphs`), whose backward writes one stacked gradient in the weights' layout (indexing `weight[e]` per
 expert would allocate a full-size gradient per expert). Three expert steps run the rows
 (sorted by expert, `counts[e]` rows for expert e), all the same function; `Experts.dispatch` forces one, and
-"auto" (the default) takes the one `dispatch.auto_step` picks for the device, dtype, sizes and counts:
+"auto" (the default) takes the one `dispatch.auto_step` picks for the device, dtype, sizes, counts and whether
+autograd records the forward:
 
     grouped_mm  `F.grouped_mm` over the jagged segments, no host sync
     padded      rows scattered into [E, max count, C] and two `bmm`s
