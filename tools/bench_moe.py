@@ -9,7 +9,9 @@
    grouped_mm), with auto / best forced and the pick's own forced time / best forced (whether auto chose
    well, apart from the noise of timing the same code twice): the figures `moespec/layers/dispatch.py` is
    fitted on. At T = 197 also the weight-bandwidth floor: the bytes of the expert weights the batch needs, at
-   the memory read bandwidth measured in the same run.
+   the memory read bandwidth measured in the same run; and the least the layer can take with torch's kernels:
+   the larger of the bank on one row per expert (torch's batched matmuls reading those weights, far below the
+   bandwidth at a few rows on CPU) and the dense FFN of equal FLOPs.
 2. Soft MoE on 196 tokens: forward time with the total slots fixed at 196 while experts grow from 4 to 196
    (the paper's claim: cost follows slots, not experts), and with one slot per expert from 8 to 1024.
 3. Models at batch 32: (MoE images/s) / (dense images/s) / (dense GMACs / MoE GMACs); 1.0 = no routing
@@ -85,6 +87,10 @@ def layer_bench(device, dtype, quick: bool) -> list[dict]:
         grid = [(8, 2, 197), (8, 2, 6304)]
     bandwidth = read_bandwidth(device)
     print(f"layer: memory read bandwidth {bandwidth / 1e9:.1f} GB/s (sum over a 1 GiB tensor, best of 5)", flush=True)
+    # the first setting timed in a process came out unlike itself timed again (E = 8, k = 1, T = 197: in some
+    # processes the loop 3-7% ahead of padded in the first run, 15-20% behind it in the five runs after): a
+    # discarded run first
+    _layer_setting(*grid[0], device, dtype, bandwidth)
     for experts, top_k, tokens in grid:
         row = _layer_setting(experts, top_k, tokens, device, dtype, bandwidth)
         rows.append(row)
@@ -104,6 +110,11 @@ def layer_bench(device, dtype, quick: bool) -> list[dict]:
                   f"({row['fwdbwd_auto_ms'] / row['floor_fwdbwd_ms']:.2f}x); the dense FFN, whose weights are "
                   f"{row['dense_floor_fwd_ms'] / row['floor_fwd_ms']:.2f}x as many bytes, runs at "
                   f"{row['fwd_dense_ms'] / row['dense_floor_fwd_ms']:.1f}x its own floor", flush=True)
+            one_row, bound = row["one_row_fwd_ms"], row["kernel_bound_fwd_ms"]
+            print(f"    with torch's kernels: the bank on one row per expert (two bmm reading all {experts} experts' "
+                  f"weights) takes {one_row:.2f} ms ({row['floor_fwd_ms'] / one_row:.2f}x the bandwidth floor's "
+                  f"speed), the dense FFN of equal FLOPs {row['fwd_dense_ms']:.2f} ms; auto forward is "
+                  f"{row['fwd_auto_ms'] / bound:.2f}x the larger", flush=True)
     return rows
 
 
@@ -136,8 +147,12 @@ def _layer_setting(experts: int, top_k: int, tokens: int, device, dtype, bandwid
 
     repeats = 15 if tokens > 1000 else 100  # a few ms a run at T = 197: noise of +-10% needs many
     steps = ("auto",) + STEPS
+    fns = {**{s: fwd(s) for s in steps}, "dense": lambda: dense(x)}
+    if tokens <= 1000:  # the bank on one row per expert: torch's batched matmuls reading every expert's weights
+        one_row = x.new_zeros(experts, 1, dim)
+        fns["one_row"] = lambda: bank.batched(one_row)
     with torch.no_grad():
-        forward = interleaved({**{s: fwd(s) for s in steps}, "dense": lambda: dense(x)}, repeats)
+        forward = interleaved(fns, repeats)
         picked_fwd = _picked(moe, x)
     backward = interleaved({**{s: fwd_bwd(s) for s in steps},
                             "dense": dense_fwd_bwd}, repeats)
@@ -158,6 +173,8 @@ def _layer_setting(experts: int, top_k: int, tokens: int, device, dtype, bandwid
         row[f"{label}_pick_vs_best"] = times[row[f"auto_{label}"]] / best
     if tokens <= 1000:
         row.update(bandwidth_floor(moe, x, bandwidth))
+        row["one_row_fwd_ms"] = forward["one_row"]
+        row["kernel_bound_fwd_ms"] = max(forward["one_row"], forward["dense"])  # reading the weights | the FLOPs
         row["dense_floor_fwd_ms"] = sum(p.numel() * p.element_size() for p in dense.parameters()) / bandwidth * 1e3
     return row
 
