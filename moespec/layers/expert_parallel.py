@@ -95,7 +95,7 @@ class ExpertParallel(Experts):
         splits = [local * slots] * world
         rows = AllToAll.apply(x.reshape(experts * slots, dim), splits, splits, self.group)
         rows = rows.view(world, local, slots, dim).transpose(0, 1).reshape(local, world * slots, dim)
-        out = self._stacked(rows)
+        out = self._equal_segments(rows)
         width = out.shape[-1]  # named, not -1: a batch of 0 images has 0 slots per expert
         out = out.view(local, world, slots, width).transpose(0, 1).reshape(experts * slots, width)
         return AllToAll.apply(out, splits, splits, self.group).view(experts, slots, width)

@@ -194,7 +194,26 @@ class Experts(nn.Module):
         return self._stacked(padded)[expert, slot]
 
     def batched(self, x: torch.Tensor) -> torch.Tensor:
-        """Expert e on every row of x[e]: x [E, M, C] -> [E, M, C'], two batched matmuls (not for GRN experts)."""
+        """Expert e on every row of x[e]: x [E, M, C] -> [E, M, C'] (Soft MoE's slots; not for GRN experts)."""
+        return self._equal_segments(x)
+
+    def _equal_segments(self, x: torch.Tensor) -> torch.Tensor:
+        """The experts stacked here on x [local_experts, M, C], M rows each, by the step `strategy` picks for
+        those segments: padded has nothing to pad, so it is two bmm on x itself, and so is auto's grouped_mm pick
+        on CUDA (one batch of equal segments); the loop where auto picks it (on CPU from a mean of 128 rows per
+        expert: Soft MoE, 32 experts of 256 slot rows, forward 11-13% faster than the bmm) or where forced,
+        and grouped_mm where forced. Traced (export, compile): the bmm."""
+        experts, rows, dim = x.shape
+        if _traced():  # torch.export, torch.compile: no choice made on the sizes, no host sync
+            return self._stacked(x)
+        flat = x.reshape(experts * rows, dim)
+        counts = torch.full((experts,), rows, dtype=torch.long, device=x.device)
+        step = self.strategy(flat, counts)
+        if step == "loop":
+            return self._loop(flat, counts, None).view(experts, rows, -1)
+        if step == "grouped_mm" and self.dispatch != "auto":
+            expert = torch.arange(experts, device=x.device).repeat_interleave(rows)
+            return self._grouped(flat, counts, expert).view(experts, rows, -1)
         return self._stacked(x)
 
     def _stacked(self, x: torch.Tensor) -> torch.Tensor:
@@ -377,6 +396,11 @@ class SegmentGraphs(torch.autograd.Function):
         if not keep:
             ctx.graphs = None
         return (grads[0], None, None, None, *grads[1:])
+
+
+def _traced() -> bool:
+    """Whether torch.export or torch.compile is tracing this call (torch < 2.3 has no such query)."""
+    return getattr(torch.compiler, "is_compiling", lambda: False)()
 
 
 def _keeps_graph() -> bool:

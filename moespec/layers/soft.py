@@ -79,7 +79,7 @@ class SoftMoE(nn.Module):
             counts = torch.full((experts,), images * p, device=x.device)
             out = self.experts(rows.reshape(-1, dim), counts, groups)
         else:
-            out = self.experts.batched(rows)  # every expert has the same number of slots: no padding
+            out = self.experts.batched(rows)  # every expert has the same number of slots: nothing to pad
         width = out.shape[-1]
         slot_outputs = out.reshape(experts, images, p, width).transpose(0, 1).reshape(images, self.slots, width)
         y = torch.einsum("bns,bsc->bnc", combine, slot_outputs)

@@ -125,6 +125,38 @@ def test_batched_equals_each_expert_on_its_own_rows():
     torch.testing.assert_close(bank.batched(x), per_expert, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dispatch", ["auto", "loop", "padded", "grouped_mm"])
+def test_batched_runs_the_step_it_is_given_and_every_step_agrees(dispatch, monkeypatch):
+    """Equal segments (Soft MoE's slots): each step gives the bmm's output and gradients; auto runs the loop from
+    a mean of CPU_LOOP_FROM rows per expert (nothing to pad below: the bmm on x itself)."""
+    from moespec.layers.dispatch import CPU_LOOP_FROM
+
+    for rows in (3, CPU_LOOP_FROM):
+        bank = _bank("swiglu")
+        x, grad = torch.randn(4, rows, 8), torch.randn(4, rows, 12)
+        bank.dispatch = "padded"
+        x_ref = x.clone().requires_grad_()
+        y_ref = bank.batched(x_ref)
+        (y_ref * grad).sum().backward()
+        grads_ref = {name: p.grad.clone() for name, p in bank.named_parameters()}
+
+        bank.dispatch, ran = dispatch, []
+        for step in ("_loop", "_grouped", "_stacked"):
+            method = getattr(Experts, step)
+            monkeypatch.setattr(bank, step, lambda *a, m=method, s=step, b=bank, r=ran: r.append(s) or m(b, *a))
+        bank.zero_grad(set_to_none=True)
+        x = x.requires_grad_()
+        y = bank.batched(x)
+        (y * grad).sum().backward()
+        expected = {"loop": "_loop", "grouped_mm": "_grouped", "padded": "_stacked",
+                    "auto": "_loop" if rows >= CPU_LOOP_FROM else "_stacked"}[dispatch]
+        assert ran == [expected]
+        torch.testing.assert_close(y, y_ref, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(x.grad, x_ref.grad, atol=1e-5, rtol=1e-5)
+        for name, g in grads_ref.items():
+            torch.testing.assert_close(bank.get_parameter(name).grad, g, atol=1e-4, rtol=1e-4, msg=name)
+
+
 def _by_hand(bank: Experts, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
     """Each expert's FFN on its own rows with F.linear on its slice of the stacked weights (no expert step)."""
     outputs, start = [], 0
