@@ -265,7 +265,10 @@ class Experts(nn.Module):
         h = linear(x, w1, b1)
         if self.glu is not None:
             a, b = h.chunk(2, dim=-1)
-            h = self.act(a) * b if self.glu == "act_first" else a * self.act(b)
+            if h.requires_grad:
+                h = self.act(a) * b if self.glu == "act_first" else a * self.act(b)
+            else:  # nothing recorded: the product into act's fresh output, one [rows, H] tensor fewer
+                h = self.act(a).mul_(b) if self.glu == "act_first" else self.act(b).mul_(a)
         elif self.inner_norm == "layernorm_before_act":
             h = self.act(_layer_norm(h, norm_w, norm_b, self.norm.eps))
         else:

@@ -125,6 +125,19 @@ def test_batched_equals_each_expert_on_its_own_rows():
     torch.testing.assert_close(bank.batched(x), per_expert, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("structure", ["swiglu", "glu"])
+@pytest.mark.parametrize("dispatch", ["loop", "padded", "grouped_mm"])
+def test_gated_product_without_autograd_is_the_recorded_one_bit_for_bit(structure, dispatch):
+    """Without autograd the gated product goes into act's own output (mul_), in either GLU order."""
+    bank = _bank(structure)
+    bank.dispatch = dispatch
+    x, counts = torch.randn(11, 8), torch.tensor([3, 0, 6, 2])
+    recorded = bank(x, counts)
+    assert recorded.requires_grad
+    with torch.no_grad():
+        assert torch.equal(bank(x, counts), recorded.detach())
+
+
 @pytest.mark.parametrize("dispatch", ["auto", "loop", "padded", "grouped_mm"])
 def test_batched_runs_the_step_it_is_given_and_every_step_agrees(dispatch, monkeypatch):
     """Equal segments (Soft MoE's slots): each step gives the bmm's output and gradients; auto runs the loop from
