@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from .dispatch import auto_step
+from .dispatch import auto_step, equal_segments_step
 from .gradient_memory import empty_gradient
 from .routing import at_least_fp32
 
@@ -198,23 +198,23 @@ class Experts(nn.Module):
         return self._equal_segments(x)
 
     def _equal_segments(self, x: torch.Tensor) -> torch.Tensor:
-        """The experts stacked here on x [local_experts, M, C], M rows each, by the step `strategy` picks for
-        those segments: padded has nothing to pad, so it is two bmm on x itself, and so is auto's grouped_mm pick
-        on CUDA (one batch of equal segments); the loop where auto picks it (on CPU from a mean of 128 rows per
-        expert: Soft MoE, 32 experts of 256 slot rows, forward 11-13% faster than the bmm) or where forced,
-        and grouped_mm where forced. Traced (export, compile): the bmm."""
+        """The experts stacked here on x [local_experts, M, C], M rows each, by the forced step or the one
+        `dispatch.equal_segments_step` picks: padded has nothing to pad, so it is two bmm on x itself; the loop
+        on CPU from 128 rows per expert in forward, 512 under autograd. Traced (export, compile): the bmm."""
         experts, rows, dim = x.shape
         if _traced():  # torch.export, torch.compile: no choice made on the sizes, no host sync
             return self._stacked(x)
         flat = x.reshape(experts * rows, dim)
+        step = self.dispatch
+        if step == "auto":
+            step = equal_segments_step(rows, x.device, backward=self._records_graph(flat))
+        if step == "padded":
+            return self._stacked(x)
         counts = torch.full((experts,), rows, dtype=torch.long, device=x.device)
-        step = self.strategy(flat, counts)
         if step == "loop":
             return self._loop(flat, counts, None).view(experts, rows, -1)
-        if step == "grouped_mm" and self.dispatch != "auto":
-            expert = torch.arange(experts, device=x.device).repeat_interleave(rows)
-            return self._grouped(flat, counts, expert).view(experts, rows, -1)
-        return self._stacked(x)
+        expert = torch.arange(experts, device=x.device).repeat_interleave(rows)
+        return self._grouped(flat, counts, expert).view(experts, rows, -1)
 
     def _stacked(self, x: torch.Tensor) -> torch.Tensor:
         """The experts stacked here (`local_experts`) on x [local_experts, M, C]."""

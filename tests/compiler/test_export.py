@@ -58,14 +58,14 @@ def test_onnx_export_matches_eager(router, tmp_path):
 
 
 def test_soft_moe_exports_where_eager_runs_the_loop(monkeypatch):
-    """From CPU_LOOP_FROM slot rows per expert eager Soft MoE runs the loop (a host sync for the segments);
+    """From CPU_EQUAL_LOOP_FROM[0] slot rows per expert eager Soft MoE runs the loop in forward (a host sync);
     traced it runs the bmm, so the layer still exports, and the export computes what eager computes."""
     from moespec.layers import Experts, SoftMoE
-    from moespec.layers.dispatch import CPU_LOOP_FROM
+    from moespec.layers.dispatch import CPU_EQUAL_LOOP_FROM
 
     torch.manual_seed(0)
-    layer = SoftMoE(Experts(2, 8, 16, 8, act=torch.nn.GELU()), slots_per_expert=CPU_LOOP_FROM // 2).eval()
-    x = torch.randn(2, 5, 8)  # 2 images x CPU_LOOP_FROM / 2 slots: CPU_LOOP_FROM rows per expert
+    layer = SoftMoE(Experts(2, 8, 16, 8, act=torch.nn.GELU()), slots_per_expert=CPU_EQUAL_LOOP_FROM[0] // 2).eval()
+    x = torch.randn(2, 5, 8)  # 2 images x 64 slots: 128 rows per expert
     exported = torch.export.export(layer, (x,))
     loops = []
     monkeypatch.setattr(layer.experts, "_loop", lambda *a: loops.append(1) or Experts._loop(layer.experts, *a))

@@ -140,11 +140,13 @@ def test_gated_product_without_autograd_is_the_recorded_one_bit_for_bit(structur
 
 @pytest.mark.parametrize("dispatch", ["auto", "loop", "padded", "grouped_mm"])
 def test_batched_runs_the_step_it_is_given_and_every_step_agrees(dispatch, monkeypatch):
-    """Equal segments (Soft MoE's slots): each step gives the bmm's output and gradients; auto runs the loop from
-    a mean of CPU_LOOP_FROM rows per expert (nothing to pad below: the bmm on x itself)."""
-    from moespec.layers.dispatch import CPU_LOOP_FROM
+    """Equal segments (Soft MoE's slots): each step gives the bmm's output and gradients; auto on CPU runs the
+    bmm on x itself (nothing to pad) below CPU_EQUAL_LOOP_FROM rows per expert, the loop from there: 128 in a
+    forward autograd does not record, 512 in one it does."""
+    from moespec.layers.dispatch import CPU_EQUAL_LOOP_FROM
 
-    for rows in (3, CPU_LOOP_FROM):
+    forward_from, backward_from = CPU_EQUAL_LOOP_FROM
+    for rows in (3, forward_from, backward_from):
         bank = _bank("swiglu")
         x, grad = torch.randn(4, rows, 8), torch.randn(4, rows, 12)
         bank.dispatch = "padded"
@@ -157,13 +159,17 @@ def test_batched_runs_the_step_it_is_given_and_every_step_agrees(dispatch, monke
         for step in ("_loop", "_grouped", "_stacked"):
             method = getattr(Experts, step)
             monkeypatch.setattr(bank, step, lambda *a, m=method, s=step, b=bank, r=ran: r.append(s) or m(b, *a))
+        with torch.no_grad():
+            y_plain = bank.batched(x)
         bank.zero_grad(set_to_none=True)
         x = x.requires_grad_()
         y = bank.batched(x)
         (y * grad).sum().backward()
-        expected = {"loop": "_loop", "grouped_mm": "_grouped", "padded": "_stacked",
-                    "auto": "_loop" if rows >= CPU_LOOP_FROM else "_stacked"}[dispatch]
-        assert ran == [expected]
+        forced = {"loop": "_loop", "grouped_mm": "_grouped", "padded": "_stacked"}
+        expected = [forced[dispatch]] * 2 if dispatch != "auto" else [
+            "_loop" if rows >= forward_from else "_stacked", "_loop" if rows >= backward_from else "_stacked"]
+        assert ran == expected
+        torch.testing.assert_close(y_plain, y_ref.detach(), atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(y, y_ref, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(x.grad, x_ref.grad, atol=1e-5, rtol=1e-5)
         for name, g in grads_ref.items():
