@@ -57,6 +57,11 @@ CPU_PADDED_WASTE = (1.5, 10.0, 1 / 256)  # below: padded while E x largest <= ma
 GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what F.grouped_mm takes (not float64)
 
 
+def traced() -> bool:
+    """Whether torch.export or torch.compile is tracing this call (torch < 2.3 has no such query)."""
+    return getattr(torch.compiler, "is_compiling", lambda: False)()
+
+
 def has_grouped_mm() -> bool:
     """Whether this torch has the public grouped matmul (torch >= 2.9)."""
     return hasattr(F, "grouped_mm")

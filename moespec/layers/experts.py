@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from .dispatch import auto_step, equal_segments_step
+from .dispatch import auto_step, equal_segments_step, traced
 from .gradient_memory import empty_gradient
 from .routing import at_least_fp32
 
@@ -140,12 +140,15 @@ class Experts(nn.Module):
         Returns:
             [S, C'] expert outputs in the same order.
         """
-        strategy = self.strategy(x, counts)
-        if strategy == "loop":
+        return self._run(self.strategy(x, counts), x, counts, groups)
+
+    def _run(self, step: str, x: torch.Tensor, counts: torch.Tensor, groups: torch.Tensor | None) -> torch.Tensor:
+        """Rows x [S, C] sorted by expert through `step`."""
+        if step == "loop":
             return self._loop(x, counts, groups)
         expert = torch.repeat_interleave(torch.arange(self.local_experts, device=x.device), counts,
                                          output_size=x.shape[0])  # expert of each row
-        if strategy == "grouped_mm":
+        if step == "grouped_mm":
             return self._grouped(x, counts, expert)
         return self._padded(x, counts, expert)
 
@@ -202,7 +205,7 @@ class Experts(nn.Module):
         `dispatch.equal_segments_step` picks: padded has nothing to pad, so it is two bmm on x itself; the loop
         on CPU from 128 rows per expert in forward, 512 under autograd. Traced (export, compile): the bmm."""
         experts, rows, dim = x.shape
-        if _traced():  # torch.export, torch.compile: no choice made on the sizes, no host sync
+        if traced():  # torch.export, torch.compile: no choice made on the sizes, no host sync
             return self._stacked(x)
         flat = x.reshape(experts * rows, dim)
         step = self.dispatch
@@ -211,10 +214,7 @@ class Experts(nn.Module):
         if step == "padded":
             return self._stacked(x)
         counts = torch.full((experts,), rows, dtype=torch.long, device=x.device)
-        if step == "loop":
-            return self._loop(flat, counts, None).view(experts, rows, -1)
-        expert = torch.arange(experts, device=x.device).repeat_interleave(rows)
-        return self._grouped(flat, counts, expert).view(experts, rows, -1)
+        return self._run(step, flat, counts, None).view(experts, rows, -1)
 
     def _stacked(self, x: torch.Tensor) -> torch.Tensor:
         """The experts stacked here (`local_experts`) on x [local_experts, M, C]."""
@@ -399,11 +399,6 @@ class SegmentGraphs(torch.autograd.Function):
         if not keep:
             ctx.graphs = None
         return (grads[0], None, None, None, *grads[1:])
-
-
-def _traced() -> bool:
-    """Whether torch.export or torch.compile is tracing this call (torch < 2.3 has no such query)."""
-    return getattr(torch.compiler, "is_compiling", lambda: False)()
 
 
 def _keeps_graph() -> bool:

@@ -25,12 +25,13 @@ import torch
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
+from .dispatch import traced
+
 SMALLEST = 1 << 20  # bytes; below this malloc's heap serves gradients again and again without page faults
 BLOCKS_PER_PARAMETER = 2
 
 _blocks: WeakIdKeyDictionary = WeakIdKeyDictionary()  # parameter -> [(block, weak ref to its lent view)]
 _lock = threading.Lock()  # backward can run on several threads
-_compiling = getattr(torch.compiler, "is_compiling", lambda: False)  # torch < 2.3 has no such query
 
 
 def empty_gradient(param: torch.Tensor) -> torch.Tensor:
@@ -38,7 +39,7 @@ def empty_gradient(param: torch.Tensor) -> torch.Tensor:
     param's kept blocks where it is a CPU `nn.Parameter` of at least `SMALLEST` bytes and torch is not compiling."""
     nbytes = param.numel() * param.element_size()
     kept = type(param) is nn.Parameter and param.device.type == "cpu" and nbytes >= max(SMALLEST, 1)
-    if not kept or _compiling():
+    if not kept or traced():
         return torch.empty(param.shape, dtype=param.dtype, device=param.device)
     with _lock:  # blocks in use, and free ones of the right size (a dtype change leaves the others behind)
         blocks = [(block, lent) for block, lent in _blocks.get(param, ()) if lent() is not None or len(block) == nbytes]
