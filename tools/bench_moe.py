@@ -150,7 +150,12 @@ def _layer_setting(experts: int, top_k: int, tokens: int, device, dtype, bandwid
     fns = {**{s: fwd(s) for s in steps}, "dense": lambda: dense(x)}
     if tokens <= 1000:  # the bank on one row per expert: torch's batched matmuls reading every expert's weights
         one_row = x.new_zeros(experts, 1, dim)
-        fns["one_row"] = lambda: bank.batched(one_row)
+
+        def one_row_bmm():
+            bank.dispatch = "padded"  # equal segments, forced padded: the two bmm on one_row itself
+            return bank.batched(one_row)
+
+        fns["one_row"] = one_row_bmm
     with torch.no_grad():
         forward = interleaved(fns, repeats)
         picked_fwd = _picked(moe, x)
