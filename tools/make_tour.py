@@ -1,6 +1,7 @@
 """Regenerate the README's Tour figures from the shipped specs (no network, no downloads; a few minutes on CPU).
 
     python tools/make_tour.py [--out docs]
+    python tools/make_tour.py --images synthetic/    (only the synthetic images, for `moespec inspect`)
 
 - docs/sweep.png: `moespec sweep specs/vit_s16_moe8_every2_top2.yaml --set moe.0.experts=4,8,16,32
   --set moe.0.top_k=1,2 --plot docs/sweep.png`
@@ -89,7 +90,13 @@ def make_inspect(out: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=ROOT / "docs")
+    parser.add_argument("--images", type=Path, help="only write the synthetic images into this new folder")
     args = parser.parse_args()
+    if args.images is not None:
+        if args.images.exists():
+            parser.error(f"{args.images} already exists; name a new folder")
+        print(f"wrote {len(list(synthetic_images(args.images).rglob('*.png')))} images into {args.images}")
+        return
     args.out.mkdir(exist_ok=True)
     print("sweep:")
     make_sweep(args.out)
