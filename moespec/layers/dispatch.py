@@ -67,18 +67,19 @@ def has_grouped_mm() -> bool:
     return hasattr(F, "grouped_mm")
 
 
-def auto_step(x: torch.Tensor, counts: torch.Tensor, aligned: bool, backward: bool = False) -> str:
-    """The step for rows x [S, C] sorted by expert, `counts` [E] rows per local expert.
+def auto_step(rows: int, dtype: torch.dtype, device: torch.device, counts: torch.Tensor, aligned: bool,
+              backward: bool = False) -> str:
+    """The step for `rows` rows of `dtype` on `device`, sorted by expert, `counts` [E] rows per local expert.
 
     Args:
         aligned: every weight row stride is a multiple of 16 bytes (grouped_mm's kernels need it).
         backward: autograd records this forward (a backward may follow).
     """
-    grouped = aligned and has_grouped_mm() and x.dtype in GROUPED_DTYPES
-    if x.is_cuda:
-        hopper = torch.cuda.get_device_capability(x.device) >= (9, 0)
-        return "grouped_mm" if grouped and x.dtype == torch.bfloat16 and hopper else "padded"
-    rows, experts = x.shape[0], counts.numel()
+    grouped = aligned and has_grouped_mm() and dtype in GROUPED_DTYPES
+    if device.type == "cuda":
+        hopper = torch.cuda.get_device_capability(device) >= (9, 0)
+        return "grouped_mm" if grouped and dtype == torch.bfloat16 and hopper else "padded"
+    experts = counts.numel()
     if rows >= CPU_LOOP_FROM * experts:
         return "loop"
     base, few, many = CPU_PADDED_WASTE  # E * largest <= (base + few / m - many * m) * rows, m = rows / E:

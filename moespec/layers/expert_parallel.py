@@ -87,6 +87,10 @@ class ExpertParallel(Experts):
         back = out.new_empty(out.shape).index_copy(0, order, out)  # expert-major -> rank-major
         return AllToAll.apply(back, send, recv, self.group)
 
+    def _segmentwise(self, items: torch.Tensor, rows: torch.Tensor, counts: torch.Tensor) -> bool:
+        """Never: the rows are gathered and sent to the ranks that hold their experts (`forward`)."""
+        return False
+
     def batched(self, x: torch.Tensor) -> torch.Tensor:
         """Expert e on every row of x[e], x [E, M, C] with the same M on every rank (Soft MoE's slots): even
         splits, no counts exchange."""

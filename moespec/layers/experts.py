@@ -157,11 +157,61 @@ class Experts(nn.Module):
     def strategy(self, x: torch.Tensor, counts: torch.Tensor) -> str:
         """The expert step for rows `x` (`counts` per expert): `dispatch` unless "auto", else `auto_step`'s pick
         for a forward that autograd records or not (GRN: the loop)."""
+        return self._step(x.shape[0], x, counts)
+
+    def _step(self, rows: int, like: torch.Tensor, counts: torch.Tensor) -> str:
+        """`strategy` for `rows` rows of `like`'s dtype and device (`like` requiring grad or not)."""
         if self.needs_groups:
             return "loop"
         if self.dispatch != "auto":
             return self.dispatch
-        return auto_step(x, counts, self._aligned(x.element_size()), backward=self._records_graph(x))
+        return auto_step(rows, like.dtype, like.device, counts, self._aligned(like.element_size()),
+                         backward=self._records_graph(like))
+
+    def combine(self, items: torch.Tensor, rows: torch.Tensor, counts: torch.Tensor, weights: torch.Tensor,
+                groups: torch.Tensor | None = None) -> torch.Tensor:
+        """The routed experts' part of an MoE layer: y[t] = sum over pairs p with rows[p] = t of
+        weights[p] * expert_p(items[t]); 0 for an item in no pair.
+
+        Args:
+            items: [T, C] the layer's items.
+            rows: [P] item of each (item, expert) pair, pairs sorted by expert; counts: [E] pairs per expert.
+            weights: [P] gate value of each pair.
+            groups: [T] image index of each item; needed only by the "grn" inner norm.
+        Returns:
+            [T, C'].
+
+        Where autograd records nothing and the loop step runs, each expert's segment is gathered, run, scaled and
+        added into y in turn, while it is in cache (`_loop_combine`); otherwise the step runs on every gathered
+        row, and the outputs are scaled and scattered back.
+        """
+        if self._segmentwise(items, rows, counts):
+            return self._loop_combine(items, rows, counts, weights, groups)
+        # index_select, not items[rows]: 4x faster on CPU, and so is its backward
+        out = self(items.index_select(0, rows), counts, groups.index_select(0, rows) if groups is not None else None)
+        return _scatter_weighted(out, rows, weights, items.shape[0])
+
+    def _segmentwise(self, items: torch.Tensor, rows: torch.Tensor, counts: torch.Tensor) -> bool:
+        """Whether `combine` runs segment by segment: autograd records nothing and the loop is the step."""
+        return not self._records_graph(items) and self._step(rows.shape[0], items, counts) == "loop"
+
+    def _loop_combine(self, items: torch.Tensor, rows: torch.Tensor, counts: torch.Tensor, weights: torch.Tensor,
+                      groups: torch.Tensor | None) -> torch.Tensor:
+        """`combine` without autograd, one expert segment at a time: no [P, C] gathered rows or outputs, and no
+        pass over them to scale and scatter (as transformers' eager Mixtral block does it)."""
+        params = [self._unbind(p) for p in self._param_list()]
+        y = None
+        for e, segment in _segments(counts.tolist()):
+            index = rows[segment]
+            out = self._expert(items.index_select(0, index), [p[e] if p is not None else None for p in params],
+                               groups.index_select(0, index) if groups is not None else None)
+            out = _scaled(out, weights[segment].unsqueeze(-1))
+            if y is None:
+                y = out.new_zeros(items.shape[0], out.shape[-1])
+            y.index_add_(0, index, out)
+        if y is None:  # no pair: the empty outputs' dtype, as the other steps give it
+            return _scatter_weighted(items.new_empty(0, self.out_features), rows, weights, items.shape[0])
+        return y
 
     def _records_graph(self, x: torch.Tensor) -> bool:
         """Whether autograd records this forward (a backward may follow): grad mode on, and x or a weight
@@ -279,6 +329,19 @@ class Experts(nn.Module):
             h = _global_response_norm(h, norm_w, norm_b, self.norm.eps, groups)
         h = F.dropout(h, self.drop[0], self.training)
         return F.dropout(linear(h, w2, b2), self.drop[1], self.training)
+
+
+def _scaled(out: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """out * weights, in place when autograd does not need `out` and the product keeps its dtype (under autocast
+    the experts give bfloat16 and the gate weights are float32): one buffer less to allocate."""
+    in_place = not (out.requires_grad or weights.requires_grad) and out.dtype == weights.dtype
+    return out.mul_(weights) if in_place else out * weights
+
+
+def _scatter_weighted(out: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor, items: int) -> torch.Tensor:
+    """[items, C'] sum of weights[p] * out[p] over the pairs p of each item (out [P, C'] in pair order)."""
+    out = _scaled(out, weights.unsqueeze(-1))
+    return out.new_zeros(items, out.shape[-1]).index_add_(0, rows, out)
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

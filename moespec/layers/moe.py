@@ -3,9 +3,9 @@
     items = x as rows [T, C]  (tokens of [B, N, C], or positions of a [B, H, W, C] / [B, C, H, W] map)
     routing = router(items)       -> (item, expert) pairs grouped by expert, with gate weights
                                      (under torch.export: every expert on every item, combined densely)
-    experts(items[pairs])         -> one contiguous segment per expert
-    y = index_add(weight * out)   -> weighted scatter back; an item no expert took gets 0 (its residual
-                                     carries it)
+    y = experts.combine(...)      -> items[pairs], one contiguous segment per expert, then the weighted
+                                     scatter back (without autograd, under the loop step, segment by
+                                     segment); an item no expert took gets 0 (its residual carries it)
     y += shared experts(items)    -> always-active experts, if any
     AuxLossAutoScaler(y, aux)     -> with aux_loss_in_backward: the aux loss's gradient rides on y's backward
 
@@ -83,15 +83,7 @@ class MoE(nn.Module):
         if exporting:
             y = self._dense_combine(items, routing)
         else:
-            rows = routing.item  # index_select, not items[rows]: 4x faster on CPU, and so is its backward
-            out = self.experts(items.index_select(0, rows), routing.counts,
-                               groups.index_select(0, rows) if groups is not None else None)
-            weights = routing.weights.unsqueeze(-1)
-            # in place when autograd does not need `out` and the product keeps its dtype (under autocast the
-            # experts give bfloat16 and the weights are float32): one [pairs, C] buffer less to allocate
-            in_place = not (out.requires_grad or weights.requires_grad) and out.dtype == weights.dtype
-            out = out.mul_(weights) if in_place else out * weights
-            y = out.new_zeros(items.shape[0], out.shape[-1]).index_add_(0, rows, out)
+            y = self.experts.combine(items, routing.item, routing.counts, routing.weights, groups)
         if self.shared is not None:
             y = y + self.shared.forward_all(items, groups)
         if not exporting:  # an exported graph is a pure function: no routing state, no aux loss

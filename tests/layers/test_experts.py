@@ -242,6 +242,34 @@ def test_the_loop_gives_the_same_output_with_and_without_autograd(structure):
         torch.testing.assert_close(without, _by_hand(bank, x.detach(), counts.tolist()), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("structure", [*STRUCTURES, "grn"])
+def test_combine_segment_by_segment_equals_the_gathered_step_and_the_sum_by_hand(structure):
+    """Without autograd, under the loop, `combine` gathers, runs, scales and adds each expert's segment in turn;
+    with autograd it runs the step on every gathered row, then scales and scatters. Both are the weighted sum
+    over each item's pairs, by hand: items picked twice (top-2), an item in no pair (0), an expert with none."""
+    bank = _grn_bank() if structure == "grn" else _bank(structure)
+    bank.dispatch = "loop"
+    items = torch.randn(7, 8)
+    counts = torch.tensor([3, 0, 4, 2])  # pairs sorted by expert
+    rows = torch.tensor([0, 2, 5, 1, 2, 3, 5, 0, 3])  # item 4 and item 6 in no pair
+    weights = torch.rand(9)
+    groups = torch.tensor([0, 0, 0, 1, 1, 1, 1]) if structure == "grn" else None
+    with torch.no_grad():
+        assert bank._segmentwise(items, rows, counts)
+        segmentwise = bank.combine(items, rows, counts, weights, groups)
+    gathered = bank.combine(items.requires_grad_(), rows, counts, weights, groups)
+    assert gathered.requires_grad
+    torch.testing.assert_close(segmentwise, gathered.detach(), atol=1e-6, rtol=1e-6)
+    if structure != "grn":
+        outputs = _by_hand(bank, items.detach()[rows], counts.tolist())
+        by_hand = torch.zeros(7, 12).index_add_(0, rows, weights[:, None] * outputs)
+        torch.testing.assert_close(segmentwise, by_hand, atol=1e-5, rtol=1e-5)
+    assert segmentwise[4].eq(0).all() and segmentwise[6].eq(0).all()
+    with torch.no_grad():  # no pair at all: zeros of the items' shape
+        empty = bank.combine(items, rows[:0], torch.zeros(4, dtype=torch.long), weights[:0], groups)
+    assert torch.equal(empty, torch.zeros(7, 12))
+
+
 def test_the_loop_without_autograd_keeps_the_dropout_after_fc2():
     """The loop without autograd runs the whole FFN, the dropout after fc2 included: in training p = 1 drops
     everything, in eval it is the identity."""

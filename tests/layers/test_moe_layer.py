@@ -50,13 +50,18 @@ def _reference(moe: MoE, x: torch.Tensor) -> torch.Tensor:
     return out.reshape(x.shape)
 
 
+@pytest.mark.parametrize("grad", [True, False])
 @pytest.mark.parametrize("dispatch", ["loop", "padded", "grouped_mm"])
 @pytest.mark.parametrize("experts,top_k,normalize", [(4, 1, False), (4, 2, False), (4, 2, True), (3, 3, True)])
-def test_dispatch_matches_per_item_reference(experts, top_k, normalize, dispatch):
+def test_dispatch_matches_per_item_reference(experts, top_k, normalize, dispatch, grad):
+    """With and without autograd (without it, the loop combines segment by segment)."""
     moe = _moe(dim=8, hidden=4, experts=experts, top_k=top_k, normalize=normalize).eval()  # grouped_mm: 16-byte rows
     moe.experts.dispatch = dispatch
     x = torch.randn(2, 7, 8)
-    torch.testing.assert_close(moe(x), _reference(moe, x), atol=1e-5, rtol=1e-5)
+    with torch.set_grad_enabled(grad):
+        y = moe(x)
+    assert y.requires_grad == grad
+    torch.testing.assert_close(y, _reference(moe, x), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("dispatch", ["loop", "padded", "grouped_mm"])
