@@ -57,6 +57,7 @@ assert spec.moe[0].router.slots_per_expert == 1 and spec.moe[0].aux_loss == []
     assert imported_after(code) == NO_TORCH
 
 
+@pytest.mark.slow  # a Python subprocess that imports torch and timm: CI runs it
 def test_using_the_api_imports_torch_then():
     assert imported_after("from moespec import create_model") == {"torch": True, "timm": True}
 

@@ -40,6 +40,7 @@ def entries(cache: Path) -> list[Path]:
     return sorted((cache / "backbones").glob("*.json")) if (cache / "backbones").exists() else []
 
 
+@pytest.mark.slow  # every real-size shipped spec: CI runs it
 def test_every_shipped_spec_plans_the_same_from_its_cached_sketch(cache):
     specs = [load_spec(path) for path in sorted(SPECS_DIR.glob("*.yaml"))]
     expected = [outcome(spec) for spec in specs]
@@ -127,6 +128,7 @@ def test_the_library_plan_does_not_use_the_cache(cache):
     assert entries(cache) == []
 
 
+@pytest.mark.slow  # the CLI in a subprocess: CI runs it
 def test_validate_of_a_backbone_seen_before_imports_neither_torch_nor_timm(cache, tmp_path):
     spec = write(tmp_path, "backbone: {model: vit_small_patch16_224, kwargs: {depth: 2}}\n"
                            "moe: [{where: {every: 1}, experts: 4}]\n")
