@@ -50,6 +50,7 @@ def test_convnext_t_moe4_last2_ratio2_params():
     assert s.activated_params == s.dense_params + activated
 
 
+@pytest.mark.slow  # two real-size shipped specs traced: CI runs it
 def test_dense_specs_count_the_backbone():
     for name in ("vit_s16_dense.yaml", "convnext_t_dense.yaml"):
         s = moespec.stats(moespec.load_spec(SPECS_DIR / name))
@@ -76,6 +77,7 @@ def test_softmoe_h14_params_against_a_hand_calculation_and_the_paper():
         assert round(s.total_params, -8) == paper
 
 
+@pytest.mark.slow  # three real-size shipped specs built for real: CI runs it
 def test_meta_build_counts_the_same_parameters_as_a_real_build():
     """stats() never materializes experts; its counts must equal those of a real build."""
     for name in ("convnext_t_moe4_last2_top1.yaml", "dinov2_s14_image_e4_last3_shared.yaml", "sparse_mlp_s.yaml"):

@@ -11,6 +11,8 @@ import pytest
 from .ep_cases import CASES
 from .launch import ROOT, torchrun
 
+pytestmark = pytest.mark.slow  # torchrun in subprocesses (2 ranks: 17 s; 4 ranks): CI runs them
+
 WORKER = ROOT / "tests" / "distributed" / "ep_worker.py"
 
 
@@ -52,7 +54,6 @@ def test_two_ranks_compute_what_one_process_computes(results, case):
     _check(results(2), case)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_four_ranks_compute_what_one_process_computes(results, case):
     _check(results(4), case)

@@ -216,6 +216,7 @@ def spec_file(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("fuzz") / "fuzz.yaml"
 
 
+@pytest.mark.slow  # plans mutations of the real-size shipped specs (11 s): CI runs it
 @given(doc=mutated_document())
 def test_mutated_documents_fail_only_as_user_errors(doc, spec_file):
     _load_and_plan(yaml.safe_dump(doc, sort_keys=False), spec_file, isinstance(doc, dict) and _plannable(doc))
