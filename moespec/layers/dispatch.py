@@ -42,10 +42,11 @@ An earlier machine behind this project (less memory bandwidth, 26 vs 37 GB/s) ha
 padded on uneven segments of a few dozen rows: the crossovers move with the CPU, and
 `python tools/sweep_dispatch.py` measures them again.
 
-Checked on a second CPU (AMD EPYC with AVX2 and no AVX-512, 19 GB/s, 2 threads, torch 2.14), the layer
-benchmark found auto's pick, timed forced, within 5% of the best forced step in 15 of its 16 settings; the
-16th, E = 32, k = 1, T = 6304 forward, had the loop 5.6% behind grouped_mm, and two runs of the layer since
-its segment-wise combine (`Experts.combine`) put the loop 15-32% ahead there (SwiGLU and GELU experts).
+Checked on a second CPU (AMD EPYC with AVX2 and no AVX-512, 19-23 GB/s, 2 threads, torch 2.14): before the
+layer's segment-wise combine (`Experts.combine`), the layer benchmark found auto's pick, timed forced, the
+fastest forced step in 15 of its 16 settings, and 5.6% behind grouped_mm at E = 32, k = 1, T = 6304 in
+forward; since, the fastest in all 16 (the loop 25% ahead of grouped_mm in that forward), and auto itself
+within 4% of the best forced step in every setting.
 
 CUDA: grouped_mm in bf16 on Hopper or newer (its fast kernels); padded otherwise, which keeps every step on
 the device, where the loop's per-expert launches and host sync cost most.
