@@ -146,6 +146,23 @@ def test_layer_records_last_forward_and_gradients_reach_gate_and_used_experts():
         assert (grad > 0) == (e in used)
 
 
+@pytest.mark.parametrize("dispatch", ["loop", "padded"])
+def test_frozen_experts_still_pass_the_task_gradient_to_the_router(dispatch):
+    """Experts frozen and an input that needs no gradient: the bank records nothing, so under the loop it combines
+    segment by segment, and the gate values, which do need a gradient, still carry the task loss's gradient to
+    the router, as the per-item reference does."""
+    moe = _moe(dim=8, hidden=4, experts=4, top_k=2).eval()
+    moe.experts.requires_grad_(False)
+    moe.experts.dispatch = dispatch
+    x = torch.randn(2, 5, 8)
+    moe(x).square().sum().backward()
+    got = moe.router.gate.weight.grad.clone()
+    moe.zero_grad()
+    _reference(moe, x).square().sum().backward()
+    assert got.abs().sum() > 0
+    torch.testing.assert_close(got, moe.router.gate.weight.grad, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("soft", [False, True], ids=["moe", "soft_moe"])
 def test_a_layer_copies_and_pickles_after_a_forward_without_its_last_forward(soft):
     """An EMA or a kept best model is a deep copy taken mid-training; the last forward's records hold its graph,
