@@ -9,9 +9,11 @@
    grouped_mm), with auto / best forced and the pick's own forced time / best forced (whether auto chose
    well, apart from the noise of timing the same code twice): the figures `moespec/layers/dispatch.py` is
    fitted on. At T = 197 also the weight-bandwidth floor: the bytes of the expert weights the batch needs, at
-   the memory read bandwidth measured in the same run; and the least the layer can take with torch's kernels:
-   the larger of the bank on one row per expert (torch's batched matmuls reading those weights, far below the
-   bandwidth at a few rows on CPU) and the dense FFN of equal FLOPs.
+   the memory read bandwidth measured in the same run; the compute floor: the routed rows' FLOPs at the rate
+   of a large square matmul measured in the same run (where it is above 1.5x the bandwidth floor, the layer
+   cannot come within 1.5x of that floor); and the least the layer can take with torch's kernels: the larger
+   of the bank on one row per expert (torch's batched matmuls reading those weights, far below the bandwidth
+   at a few rows on CPU) and the dense FFN of equal FLOPs.
 2. Soft MoE on 196 tokens: forward time with the total slots fixed at 196 while experts grow from 4 to 196
    (the paper's claim: cost follows slots, not experts), and with one slot per expert from 8 to 1024.
 3. Models at batch 32: (MoE images/s) / (dense images/s) / (dense GMACs / MoE GMACs); 1.0 = no routing
@@ -85,14 +87,15 @@ def layer_bench(device, dtype, quick: bool) -> list[dict]:
     grid = [(e, k, t) for e in (8, 32) for k in (1, 2) for t in (197, 6304)]
     if quick:
         grid = [(8, 2, 197), (8, 2, 6304)]
-    bandwidth = read_bandwidth(device)
-    print(f"layer: memory read bandwidth {bandwidth / 1e9:.1f} GB/s (sum over a 1 GiB tensor, best of 5)", flush=True)
+    bandwidth, peak = read_bandwidth(device), matmul_rate(device, dtype)
+    print(f"layer: memory read bandwidth {bandwidth / 1e9:.1f} GB/s (sum over a 1 GiB tensor, best of 5); matmul "
+          f"{peak / 1e9:.0f} GFLOP/s (2048 x 2048 x 2048, best of 5)", flush=True)
     # the first setting timed in a process came out unlike itself timed again (E = 8, k = 1, T = 197: in some
     # processes the loop 3-7% ahead of padded in the first run, 15-20% behind it in the five runs after): a
     # discarded run first
-    _layer_setting(*grid[0], device, dtype, bandwidth)
+    _layer_setting(*grid[0], device, dtype, bandwidth, peak)
     for experts, top_k, tokens in grid:
-        row = _layer_setting(experts, top_k, tokens, device, dtype, bandwidth)
+        row = _layer_setting(experts, top_k, tokens, device, dtype, bandwidth, peak)
         rows.append(row)
         print(f"layer E={experts:3d} k={top_k} T={tokens:5d} ratio to dense (auto picks {row['auto_fwd']} | "
               f"{row['auto_fwdbwd']}; {row['rows_per_expert']:.1f} rows per expert, padding {row['waste']:.2f}x)",
@@ -110,6 +113,12 @@ def layer_bench(device, dtype, quick: bool) -> list[dict]:
                   f"({row['fwdbwd_auto_ms'] / row['floor_fwdbwd_ms']:.2f}x); the dense FFN, whose weights are "
                   f"{row['dense_floor_fwd_ms'] / row['floor_fwd_ms']:.2f}x as many bytes, runs at "
                   f"{row['fwd_dense_ms'] / row['dense_floor_fwd_ms']:.1f}x its own floor", flush=True)
+            reach = "within" if row["compute_fwd_ms"] <= 1.5 * row["floor_fwd_ms"] else "beyond"
+            print(f"    compute floor: {row['routed_flops'] / 1e6:.0f} MFLOP of routed rows at the matmul rate -> fwd "
+                  f"{row['compute_fwd_ms']:.2f} ms ({row['compute_fwd_ms'] / row['floor_fwd_ms']:.2f}x the bandwidth "
+                  f"floor: 1.5x it is {reach} reach); auto forward is "
+                  f"{row['fwd_auto_ms'] / max(row['compute_fwd_ms'], row['floor_fwd_ms']):.2f}x the larger floor",
+                  flush=True)
             one_row, bound = row["one_row_fwd_ms"], row["kernel_bound_fwd_ms"]
             print(f"    with torch's kernels: the bank on one row per expert (two bmm reading all {experts} experts' "
                   f"weights) takes {one_row:.2f} ms ({row['floor_fwd_ms'] / one_row:.2f}x the bandwidth floor's "
@@ -118,7 +127,7 @@ def layer_bench(device, dtype, quick: bool) -> list[dict]:
     return rows
 
 
-def _layer_setting(experts: int, top_k: int, tokens: int, device, dtype, bandwidth: float) -> dict:
+def _layer_setting(experts: int, top_k: int, tokens: int, device, dtype, bandwidth: float, peak: float) -> dict:
     dim = 384
     torch.manual_seed(0)
     bank = Experts(experts, dim, 4 * dim, dim, act=nn.GELU())
@@ -178,6 +187,8 @@ def _layer_setting(experts: int, top_k: int, tokens: int, device, dtype, bandwid
         row[f"{label}_pick_vs_best"] = times[row[f"auto_{label}"]] / best
     if tokens <= 1000:
         row.update(bandwidth_floor(moe, x, bandwidth))
+        row["routed_flops"] = 2 * tokens * top_k * bank.macs_per_item()  # fc1 + fc2 of each (item, expert) pair
+        row["compute_fwd_ms"] = row["routed_flops"] / peak * 1e3
         row["one_row_fwd_ms"] = forward["one_row"]
         row["kernel_bound_fwd_ms"] = max(forward["one_row"], forward["dense"])  # reading the weights | the FLOPs
         row["dense_floor_fwd_ms"] = sum(p.numel() * p.element_size() for p in dense.parameters()) / bandwidth * 1e3
@@ -198,6 +209,15 @@ def read_bandwidth(device) -> float:
     big = torch.ones(2**28, device=device)
     best = min(_time(lambda: big.sum(), 1)[0] for _ in range(5))
     return big.numel() * big.element_size() / (best / 1e3)
+
+
+def matmul_rate(device, dtype) -> float:
+    """FLOP/s of a large square matmul (2048 x 2048 x 2048), best of 5: the most the experts' arithmetic can run
+    at, so the least time the routed rows' FLOPs take."""
+    a = torch.randn(2048, 2048, device=device, dtype=dtype)
+    a @ a
+    best = min(_time(lambda: a @ a, 1)[0] for _ in range(5))
+    return 2 * 2048**3 / (best / 1e3)
 
 
 def bandwidth_floor(moe: MoE, x: torch.Tensor, bandwidth: float) -> dict:
