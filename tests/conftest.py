@@ -76,6 +76,15 @@ def moespec_test_convmlp_net(pretrained: bool = False, **kwargs) -> nn.Module:
     return _ConvMlpNet(**kwargs)
 
 
+def quick_first(values, quick, ids=None) -> list:
+    """Parametrize values (a tuple for several names) of a long test matrix, named by `ids`: those named in `quick`
+    run in the README's test command, the others are marked slow (CI runs the whole matrix)."""
+    ids = ids or [str(value) for value in values]
+    return [pytest.param(*(value if isinstance(value, tuple) else (value,)), id=name,
+                         marks=() if name in quick else pytest.mark.slow)
+            for value, name in zip(values, ids, strict=True)]
+
+
 def write(tmp_path: Path, text: str, name: str = "spec.yaml") -> Path:
     path = tmp_path / name
     path.write_text(text, encoding="utf-8")
