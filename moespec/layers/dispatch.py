@@ -46,7 +46,10 @@ Checked on a second CPU (AMD EPYC with AVX2 and no AVX-512, 19-23 GB/s, 2 thread
 layer's segment-wise combine (`Experts.combine`), the layer benchmark found auto's pick, timed forced, the
 fastest forced step in 15 of its 16 settings, and 5.6% behind grouped_mm at E = 32, k = 1, T = 6304 in
 forward; since, the fastest in all 16 (the loop 25% ahead of grouped_mm in that forward), and auto itself
-within 4% of the best forced step in every setting.
+within 4% of the best forced step in every setting. Run again on a slower day (a 2048-cube matmul at 114
+against 122 GFLOP/s): the fastest in 15 of 16 and 1.2% behind grouped_mm in the 16th (E = 8, k = 1, T = 197,
+forward: padded); auto within 4% in 14, and 6-7% behind in the two where it ran the very step it was compared
+with (the noise of timing the same code twice).
 
 CUDA: grouped_mm in bf16 on Hopper or newer (its fast kernels); padded otherwise, which keeps every step on
 the device, where the loop's per-expert launches and host sync cost most.
