@@ -5,6 +5,7 @@ stages, reading and rebuilding its FFN families (adapters) and its residual bloc
     adapters.py   one adapter per FFN family rebuilders.py  blocks rebuilt at a rescaled shape (Sparse-MLP)
     placement.py  resolve_device, refuse_if_too_large: where a build goes, and whether it fits there
     weightless.py create_weightless_backbone: parameters with shapes and no storage, for counting
+    meta.py       SkipMetaWrites: initializers skipped on meta tensors, which hold no values to write
 """
 
 from .adapters import ADAPTERS, Adapter, FFNShape, adapter_named, find_adapter, register_adapter

@@ -16,6 +16,7 @@ from torch import nn
 
 from ..errors import Problem, SpecError, did_you_mean
 from ..spec import Backbone, Spec, located
+from .meta import SkipMetaWrites
 from .placement import refuse_if_too_large, resolve_device
 
 
@@ -47,7 +48,9 @@ def _create(backbone: Backbone, device: torch.device, pretrained: bool) -> nn.Mo
     kwargs, overrides = dict(backbone.kwargs), {}
     while True:
         try:
-            with device, _override_builder_kwargs(backbone.model, overrides):
+            # SkipMetaWrites: timm's initialization of the parameters that are on the meta device (all of them on
+            # device="meta", all in `create_weightless_backbone`) costs nothing
+            with device, _override_builder_kwargs(backbone.model, overrides), SkipMetaWrites():
                 return timm.create_model(backbone.model, pretrained=pretrained, **kwargs).eval()
         except TypeError as err:
             fixed = re.search(r"got multiple values for keyword argument '(\w+)'", str(err))

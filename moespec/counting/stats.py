@@ -18,11 +18,13 @@ counting several specs in one process peaks at the largest one. Records are data
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import gc
 import inspect
 import sys
 from dataclasses import asdict, dataclass, field
+from typing import Iterator
 
 from torch import nn
 
@@ -95,15 +97,31 @@ def stats(spec: Spec, *, input_size: tuple[int, int, int] | None = None) -> Spec
     """Parameter and MAC counts of `spec` (at `input_size`, default the spec's) and of its dense backbone."""
     if input_size is not None:
         spec = at_input_size(spec, tuple(input_size))
-    try:
+    with _freed_on_return():
         return _count(spec)
+
+
+@contextlib.contextmanager
+def _freed_on_return() -> Iterator[None]:
+    """Free what the block built once it ends, and give the memory back to the system.
+
+    The models `_count` builds are unreachable when it returns, but not yet freed: torch.fx's tracer and
+    GraphModule and the compiled model's bound `no_weight_decay` hold them in reference cycles, which only the
+    cycle collector frees, and CPython runs a full collection by object counts, not bytes. Without a collection,
+    a loop over specs (`moespec stats a b c`, a sweep) keeps each spec's models, fx graphs and fvcore traces
+    until CPython gets round to it. A full collection walks every object of the process (0.2 s in the CLI, 0.5 s
+    in the test suite's process), so the objects alive before the block are frozen (`gc.freeze`: left out of
+    collections) while it runs, and the collection walks only the block's own. Where something else froze
+    objects already, their freeze is left alone and the collection is a full one."""
+    own_freeze = gc.get_freeze_count() == 0
+    if own_freeze:
+        gc.freeze()
+    try:
+        yield
     finally:
-        # The models `_count` built are unreachable now, but not yet freed: torch.fx's tracer and GraphModule
-        # and the compiled model's bound `no_weight_decay` hold them in reference cycles, which only the cycle
-        # collector frees, and CPython runs a full collection by object counts, not bytes. Without this, a loop
-        # over specs (`moespec stats a b c`, a sweep) keeps each spec's models, fx graphs and fvcore traces
-        # until CPython gets round to it. A full collection costs about 0.2 s.
         gc.collect()
+        if own_freeze:
+            gc.unfreeze()
         _give_back_freed_memory()
 
 

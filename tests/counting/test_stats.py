@@ -133,6 +133,24 @@ def test_stats_gives_the_freed_heap_back_after_each_spec(monkeypatch):
     assert events == [("gc", None), ("trim", 0)] * 2
 
 
+def test_stats_leaves_the_garbage_collector_as_it_found_it():
+    """`stats` collects only what it built by freezing the objects alive before it (`gc.freeze`) for the length
+    of the call: afterwards nothing stays frozen, and a freeze the caller made is left alone."""
+    spec = make_spec(TINY_VIT, [{"where": {"every": 1}, "experts": 4, "top_k": 2}])
+    assert gc.get_freeze_count() == 0
+    moespec.stats(spec)
+    assert gc.get_freeze_count() == 0
+    kept = [1, 2]
+    gc.freeze()
+    try:
+        moespec.stats(spec)
+        assert not any(o is kept for o in gc.get_objects())  # a frozen object is in no generation
+    finally:
+        gc.unfreeze()
+    assert any(o is kept for o in gc.get_objects())
+
+
+
 def test_stats_allocates_no_weights(monkeypatch):
     """The dense backbone that stats traces has zero-stride views for parameters, its MoE layers are on the meta
     device: a spec of billions of parameters costs no weight memory."""
