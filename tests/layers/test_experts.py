@@ -333,7 +333,7 @@ def test_the_loop_under_activation_checkpointing_gives_the_same_gradients(reentr
 
 
 def test_expert_linear_passes_gradcheck():
-    from moespec.layers.experts import ExpertLinear
+    from moespec.layers.expert_autograd import ExpertLinear
 
     weight = torch.randn(3, 4, 5, dtype=torch.float64, requires_grad=True)
     bias = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)

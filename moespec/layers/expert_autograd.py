@@ -1,0 +1,146 @@
+"""The autograd Functions behind the expert steps of `experts.Experts`. Their backward writes each stacked
+parameter's gradient once, in the parameter's own layout [E, ...] (on CPU into memory kept from one backward to
+the next, `gradient_memory`), where plain autograd would copy a transposed gradient or allocate a full-size one
+per expert.
+
+    ExpertLinear   every expert's linear map at once: padded (`bmm`) or jagged (`F.grouped_mm`) rows
+    SegmentGraphs  the loop step under autograd: a small graph per expert segment
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
+
+from .gradient_memory import empty_gradient
+
+
+class ExpertLinear(torch.autograd.Function):
+    """Every expert's linear map at once, `x @ weight[e].T + bias[e]`, over a padded batch (x [E, M, C], two
+    `bmm`s) or over jagged segments (x [S, C], `F.grouped_mm` at `offsets`, `expert` [S] the expert of each row).
+
+    Its backward writes the weight gradient in the weight's own layout [E, H, C], on CPU into memory kept from
+    one backward to the next (`gradient_memory`: a fresh tensor that large is page-faulted in). Through plain autograd,
+    `bmm(x, weight.transpose(1, 2))` yields a transposed gradient, which AccumulateGrad copies into the
+    weight's layout: one more pass over every expert's weights per backward, as much as the matmuls for a
+    few rows per expert. The output gradient is made dense first (torch's own grouped_mm backward refuses
+    the stride-0 gradient of a `.sum()`).
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, offsets, expert):
+        ctx.save_for_backward(x, weight, offsets, expert)
+        ctx.has_bias = bias is not None
+        if offsets is None:
+            if bias is None:
+                return torch.bmm(x, weight.transpose(1, 2))
+            return torch.baddbmm(bias.unsqueeze(1), x, weight.transpose(1, 2))
+        y = F.grouped_mm(x, weight.transpose(1, 2), offs=offsets)
+        return y + bias.index_select(0, expert) if bias is not None else y
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, offsets, expert = ctx.saved_tensors
+        grad = grad.contiguous()
+        x, weight = x.to(grad.dtype), weight.to(grad.dtype)  # autocast ran forward in grad's lower precision
+        need_x, need_weight, need_bias = ctx.needs_input_grad[:3]
+        grad_x = grad_weight = grad_bias = None
+        if offsets is None:
+            grad_x = torch.bmm(grad, weight) if need_x else None
+            grad_weight = torch.bmm(grad.transpose(1, 2), x, out=empty_gradient(weight)) if need_weight else None
+            grad_bias = grad.sum(1) if ctx.has_bias and need_bias else None
+        else:
+            grad_x = F.grouped_mm(grad, weight, offs=offsets) if need_x else None
+            grad_weight = _grouped_weight_gradient(grad, x, offsets, weight) if need_weight else None
+            if ctx.has_bias and need_bias:
+                grad_bias = grad.new_zeros(weight.shape[0], weight.shape[1]).index_add_(0, expert, grad)
+        return grad_x, grad_weight, grad_bias, None, None
+
+
+def _grouped_weight_gradient(grad: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor,
+                             weight: torch.Tensor) -> torch.Tensor:
+    """[E, H, C] sum over each expert's rows of grad [S, H] x x [S, C], zero for experts without rows. On CPU one
+    mm per expert into the gradient's kept memory (`empty_gradient`; grouped_mm has no out=): 5 ms where
+    grouped_mm's fresh tensor took 18 ms for 32 experts at ViT-S width, the same for 8."""
+    if grad.device.type != "cpu":
+        return F.grouped_mm(grad.t(), x, offs=offsets)
+    out, start = empty_gradient(weight), 0
+    for e, end in enumerate(offsets.tolist()):
+        torch.mm(grad[start:end].t(), x[start:end], out=out[e])  # no rows: zeros
+        start = end
+    return out
+
+
+class SegmentGraphs(torch.autograd.Function):
+    """The loop step under autograd: expert e's whole FFN on its segment of rows, each segment a small autograd
+    graph of its own whose leaves are the segment and expert e's slices of the parameters. Every intermediate
+    is segment-sized, so it stays in cache and comes from malloc's heap; [S, H] tensors for all rows at once
+    are mapped fresh at every step (tens of thousands of page faults a step on CPU) and go through memory
+    between ops. Backward runs each segment's graph and writes the parameter gradients into stacked tensors in
+    the parameters' own layout (indexing `weight[e]` under autograd would allocate a full-size gradient per
+    expert), zero for experts without rows.
+
+    The segment graphs stay on this node until its backward, so they hold what autograd would have saved.
+    A backward that keeps the graph (`retain_graph=True`) keeps them too."""
+
+    @staticmethod
+    def forward(ctx, x, bank, segments, groups, *params):
+        needs = ctx.needs_input_grad
+        out = x.new_empty(x.shape[0], bank.out_features)
+        ctx.graphs, ctx.params = [], params
+        for e, rows in expert_segments(segments):
+            leaves = [x[rows].detach().requires_grad_(needs[0])]
+            leaves += [p[e].detach().requires_grad_(need) if p is not None else None
+                       for p, need in zip(params, needs[4:], strict=True)]
+            with torch.enable_grad():
+                y = bank._expert(leaves[0], leaves[1:], groups[rows] if groups is not None else None)
+            out[rows] = y.detach()
+            y.untyped_storage().resize_(0)  # backward needs y's graph, not its values (fc2 and dropout keep none)
+            ctx.graphs.append((e, rows, leaves, y))
+        ctx.x_shape, ctx.segments = x.shape, segments
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        needs = ctx.needs_input_grad
+        grads = [grad.new_empty(ctx.x_shape) if needs[0] else None]
+        grads += [empty_gradient(p) if p is not None and need else None
+                  for p, need in zip(ctx.params, needs[4:], strict=True)]
+        keep = _keeps_graph()
+        for e, rows, leaves, y in ctx.graphs:
+            wanted = [i for i, leaf in enumerate(leaves) if leaf is not None and leaf.requires_grad]
+            got = torch.autograd.grad(y, [leaves[i] for i in wanted], grad[rows], retain_graph=keep,
+                                      allow_unused=True)
+            for i, g in zip(wanted, got, strict=True):
+                target = grads[i][rows] if i == 0 else grads[i][e]
+                if g is None:
+                    target.zero_()
+                else:
+                    target.copy_(g)
+        empty = [e for e, count in enumerate(ctx.segments) if not count]  # zero (filling all would cost a pass)
+        for g in grads[1:]:
+            if g is not None and empty:
+                g[empty] = 0
+        if not keep:
+            ctx.graphs = None
+        return (grads[0], None, None, None, *grads[1:])
+
+
+def _keeps_graph() -> bool:
+    """Whether the running backward keeps its graph (`retain_graph=True`): torch's own flag where this torch
+    has it, else assume it does (correct, and frees the segment graphs with this node instead)."""
+    query = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+    return query() if query is not None else True
+
+
+def expert_segments(segments: Sequence[int]):
+    """(expert, row slice) of each non-empty segment of rows sorted by expert."""
+    start = 0
+    for e, count in enumerate(segments):
+        if count:
+            yield e, slice(start, start + count)
+            start += count
