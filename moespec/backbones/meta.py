@@ -3,9 +3,9 @@
 A model built on the meta device (for planning, counting and the memory check) still runs timm's
 initialization: `trunc_normal_` is `uniform_`, `erfinv_`, `mul_`, `add_` and `clamp_` on every weight. On meta
 tensors each of those goes through torch's Python meta functions, so building ViT-S/16 on the meta device took
-0.25 s, 0.06 s without them (ConvNeXt-T: 0.33 s, 0.08 s): most of a cold `moespec plan` and a fifth of the test
-suite. The writes change values only, never a shape, dtype or stride, so skipping them changes nothing that a
-meta tensor has.
+0.25 s, 0.06 s without them (ConvNeXt-T: 0.33 s, 0.08 s); `moespec stats` builds each spec on it twice, the test
+suite hundreds of times. The writes change values only, never a shape, dtype or stride, so skipping them
+changes nothing that a meta tensor has.
 """
 
 from __future__ import annotations
