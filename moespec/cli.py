@@ -20,6 +20,7 @@ from .choices import MAX_POINTS, PRECISIONS, STATS_FORMATS
 from .errors import MoespecError, SpecError
 from .planning import plan
 from .spec import json_schema_text, load_spec, spec_files
+from .spec.loading import previous_release_keys, upgraded_spec_text
 
 # Each command imports the stages it needs beyond the spec and the plan inside its body: they import torch and
 # timm, seconds that `moespec --help` and `moespec schema` should not pay (tests/test_cli_imports.py). The plan
@@ -79,7 +80,9 @@ def _report_failure(file: Path, error: MoespecError) -> None:
 
 
 @app.command()
-def validate(specs: List[Path] = typer.Argument(..., help="Spec files or folders of specs.")) -> None:
+def validate(specs: List[Path] = typer.Argument(..., help="Spec files or folders of specs."),
+             fix: bool = typer.Option(False, "--fix", help="Rewrite valid specs of the previous release in the new "
+                                      "form (top_k and capacity_factor inside router:), comments kept.")) -> None:
     """Check specs against the schema and their timm backbones; report every problem."""
 
     def body() -> int:
@@ -87,14 +90,32 @@ def validate(specs: List[Path] = typer.Argument(..., help="Spec files or folders
         for file in spec_files(specs):
             try:
                 p = plan(load_spec(file), cached=True)
+                old_keys = previous_release_keys(file)
+                if old_keys and fix:
+                    _write_text(file, upgraded_spec_text(file))
             except MoespecError as error:
                 failed += 1
                 _report_failure(file, error)
                 continue
             out.print(f"ok: {file} ({p.model}, {len(p.layers)} MoE layers)", markup=False)
+            if old_keys:
+                moved = ", ".join(old_keys)
+                _error(f"moespec: {'fixed' if fix else 'note'}: {file}: {moved}: "
+                       + ("moved into the router" if fix else "the previous release's form, still read; "
+                          "`moespec validate --fix` moves it into the router"))
         return 2 if failed else 0
 
     _run(body)
+
+
+def _write_text(path: Path, text: str) -> None:
+    """Replace the file `path` (named by the user) with `text`, atomically, keeping its permissions."""
+    from .io import atomic_output  # the io stage imports safetensors; validate needs it only to write
+
+    mode = path.stat().st_mode & 0o7777
+    with atomic_output(path, force=True) as tmp:
+        tmp.write_text(text, encoding="utf-8")
+        tmp.chmod(mode)
 
 
 RANKS_HELP = ("Per-rank figures under expert parallelism over N ranks: each MoE layer's experts split evenly, the "

@@ -105,7 +105,7 @@ input_size: [3, 64, 64]
 moe:
   - where: {every: 1}
     experts: 4
-    top_k: 2
+    router: {top_k: 2}
 """
 """The same tiny spec as a file's text, for the CLI tests."""
 

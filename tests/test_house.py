@@ -141,7 +141,7 @@ def test_the_package_the_cli_and_the_router_kinds_import_no_torch():
 
 
 def test_only_router_kind_files_branch_on_a_router_kind():
-    """Stages ask the RouterKind entry (`layer.kind.caveats(...)`); no module outside `routers/` compares a
+    """Stages ask the typed router spec (`layer.router.caveats(layer)`); no module outside `routers/` compares a
     router's kind with a name, and only `routers/` spells the kinds' names (the spec also names its default)."""
     branch = re.compile(r"""kind["']?\]?\s*(==|!=|in\b)|\bisinstance\([^)]*SoftMoE""")
     names = re.compile("|".join(rf"[\"']{re.escape(kind)}[\"']" for kind in ROUTER_KINDS if kind != "image"))
@@ -151,4 +151,13 @@ def test_only_router_kind_files_branch_on_a_router_kind():
                  if branch.search(code := line.split("#")[0]) and "router" in code]
     naming = sorted(str(path.relative_to(PACKAGE)) for path in outside if names.search(path.read_text()))
     assert branching == []
-    assert naming == ["spec/models.py"]  # DEFAULT_ROUTER_KIND: a router without `kind` is top-k
+    assert naming == ["spec/compat.py"]  # DEFAULT_ROUTER_KIND: a router without `kind` is top-k
+
+
+def test_no_code_reads_a_router_setting_by_name():
+    """The plan carries the typed router spec: settings are attributes (`router.top_k`), never string keys
+    (`router["top_k"]`, `getattr(router, "top_k")`), and no module finds a router method with getattr."""
+    by_name = re.compile(r"""router\w*\[\s*["']|getattr\(\s*(self\.)?router\w*\s*,""")
+    found = [f"{path.relative_to(PACKAGE)}:{number}: {line.strip()}" for path in PACKAGE.rglob("*.py")
+             for number, line in enumerate(path.read_text().splitlines(), 1) if by_name.search(line)]
+    assert found == []

@@ -23,7 +23,7 @@ import moespec
 from moespec.cli import app
 from moespec.errors import CheckpointError, MoespecError
 from moespec.io import TensorInfo, atomic_output, read_safetensors_header, write_safetensors, write_sharded
-from moespec.layers import MOE_LAYERS
+from moespec.layers import MoELayer
 from moespec.weights import SPEC_HASH_KEY, SPEC_KEY, read_state_dict
 
 from .conftest import TINY_INPUT, TINY_SPEC_YAML, TINY_VIT, make_spec, write
@@ -164,7 +164,7 @@ def test_aux_losses_stay_finite_when_every_token_picks_one_expert(kind):
     group = {"where": {"every": 1}, "experts": 4, **ROUTERS[kind]}
     model = moespec.create_model(make_spec(TINY_VIT, [group])).train()
     for layer in model.modules():  # every token's logits favour expert 0 by far
-        if isinstance(layer, MOE_LAYERS) and not hasattr(layer, "phi"):
+        if isinstance(layer, MoELayer) and not hasattr(layer, "phi"):
             gate = layer.router.gate
             original = gate.forward
             gate.forward = lambda x, original=original: original(x) + torch.tensor([30.0, 0, 0, 0])
@@ -177,7 +177,7 @@ def test_aux_losses_stay_finite_when_every_token_picks_one_expert(kind):
         assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
         optimizer.step()
     for layer in model.modules():
-        if isinstance(layer, MOE_LAYERS):
+        if isinstance(layer, MoELayer):
             assert all(torch.isfinite(v) for v in layer.aux_losses.values())
 
 

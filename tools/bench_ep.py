@@ -54,7 +54,7 @@ SPEC = {
                  "kwargs": {"depth": 4, "img_size": 64, "patch_size": 8, "embed_dim": 192, "num_heads": 3,
                             "num_classes": 10}},
     "input_size": [3, 64, 64],
-    "moe": [{"where": {"every": 1}, "experts": 8, "top_k": 2}],
+    "moe": [{"where": {"every": 1}, "experts": 8, "router": {"top_k": 2}}],
 }
 
 

@@ -4,7 +4,7 @@
     python tools/make_tour.py --images synthetic/    (only the synthetic images, for `moespec inspect`)
 
 - docs/sweep.png: `moespec sweep specs/vit_s16_moe8_every2_top2.yaml --set moe.0.experts=4,8,16,32
-  --set moe.0.top_k=1,2 --plot docs/sweep.png`
+  --set moe.0.router.top_k=1,2 --plot docs/sweep.png`
 - docs/inspect_routing.png, docs/inspect_load.png: the first MoE layer (blocks.1.mlp) of
   `moespec inspect specs/vit_s16_moe8_every2_top2.yaml --images <synthetic folder> -o <report>`, where the
   folder is generated here: six classes of 8 images each, told apart only by low-level statistics
@@ -31,7 +31,7 @@ from moespec.apps.inspection import find_images, inspect_routing, load_model  # 
 from moespec.apps.sweep import parse_setting, plot, sweep  # noqa: E402
 
 SWEEP_SPEC = ROOT / "specs" / "vit_s16_moe8_every2_top2.yaml"
-SWEEP_SETTINGS = ["moe.0.experts=4,8,16,32", "moe.0.top_k=1,2"]
+SWEEP_SETTINGS = ["moe.0.experts=4,8,16,32", "moe.0.router.top_k=1,2"]
 INSPECT_SPEC = ROOT / "specs" / "vit_s16_moe8_every2_top2.yaml"
 INSPECT_LAYER = 0  # the first MoE layer, blocks.1.mlp
 IMAGES_PER_CLASS = 8

@@ -10,7 +10,6 @@ from typing import Any, Sequence
 
 from ..errors import MoespecError
 from ..io import atomic_output
-from ..spec.registry import router_kind
 from .inspection import LayerRouting, RoutingReport
 from .plots import load_figure, routing_heatmap, save_figure
 
@@ -52,22 +51,14 @@ def _write_files(report: RoutingReport, folder: Path) -> None:
         record["figures"] = names
         rows = [report.classes[c] for c in layer.class_order]
         share = [layer.share[c] for c in layer.class_order]
-        save_figure(routing_heatmap(_heatmap_title(layer), rows, share, _share_label(layer)), folder / names["heatmap"])
+        save_figure(routing_heatmap(_heatmap_title(layer), rows, share, layer.share_label), folder / names["heatmap"])
         save_figure(load_figure(_load_title(layer), layer.load_share), folder / names["load"])
     (folder / "summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
     (folder / "index.html").write_text(_html(report, summary), encoding="utf-8")
 
 
-def _router_text(layer: LayerRouting) -> str:
-    return router_kind(layer.router).inspect.name(layer.top_k)
-
-
 def _heatmap_title(layer: LayerRouting) -> str:
-    return f"{layer.path}: routing by class ({_router_text(layer)}, {layer.experts} experts)"
-
-
-def _share_label(layer: LayerRouting) -> str:
-    return router_kind(layer.router).inspect.share_label
+    return f"{layer.path}: routing by class ({layer.router_name}, {layer.experts} experts)"
 
 
 def _load_title(layer: LayerRouting) -> str:
@@ -102,7 +93,7 @@ def _html(report: RoutingReport, summary: dict[str, Any]) -> str:
     for layer, record in zip(report.layers, summary["layers"], strict=True):
         figures = record["figures"]
         parts += [f"<h2>{e(layer.path)}</h2>",
-                  f"<p>{e(_router_text(layer))}, {layer.experts} experts, {layer.items} {e(layer.unit)}s routed, "
+                  f"<p>{e(layer.router_name)}, {layer.experts} experts, {layer.items} {e(layer.unit)}s routed, "
                   f"{layer.drop_fraction:.2%} dropped</p>",
                   "<div class='row'>",
                   f"<img src='{e(figures['heatmap'])}' alt='routing heatmap of {e(layer.path)}'>",

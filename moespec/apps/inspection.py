@@ -33,9 +33,8 @@ from torch import nn
 from ..compiler import create_model, moe_layers
 from ..distributed import expert_group
 from ..errors import MoespecError
-from ..spec import load_spec
+from ..spec import RouterSpec, load_spec
 from ..spec.loading import SPEC_SUFFIXES
-from ..spec.registry import router_kind
 from ..weights import load
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm", ".pgm")
@@ -119,6 +118,8 @@ class LayerRouting:
 
     path: str
     router: str  # the router kind
+    router_name: str  # how the report names it: "top-2", "Soft MoE"
+    share_label: str  # what a share is, the heatmap's colour bar
     unit: str  # what a row counts: "token" or "image"
     experts: int
     top_k: int
@@ -166,14 +167,15 @@ class _Tally:
         self.tokens.index_add_(0, labels, torch.full(labels.shape, float(per_image), dtype=torch.float64))
         self.images += len(labels)
 
-    def result(self, path: str, layer: nn.Module, router: str) -> LayerRouting:
+    def result(self, path: str, layer: nn.Module, router: RouterSpec) -> LayerRouting:
         """Shares per class; for image routing, token pairs / tokens is the share of images (all the tokens
         of an image go where the image goes)."""
         share = self.assigned / self.tokens.clamp(min=1).unsqueeze(1)
         load = self.assigned.sum(dim=0)
-        unit = router_kind(router).inspect.unit
+        unit = router.inspection.unit
         return LayerRouting(
-            path=path, router=router, unit=unit, experts=layer.num_experts, top_k=layer.top_k,
+            path=path, router=router.kind, router_name=router.report_name(), share_label=router.inspection.share_label,
+            unit=unit, experts=layer.num_experts, top_k=router.picks(),
             share=share.tolist(), class_order=class_order(share.tolist()), load=load.tolist(),
             load_share=(load / load.sum().clamp(min=1e-12)).tolist(),
             drop_fraction=self.dropped / float(self.tokens.sum()),
@@ -195,7 +197,7 @@ def inspect_routing(model: nn.Module, folder: ImageFolder, *, batch_size: int = 
     config, transform = data_transform(model)
     layers = moe_layers(model)
     plan = model.moespec_plan
-    kinds = {path: plan.layer(path).kind for path in layers}
+    routers = {path: plan.layer(path).router for path in layers}
     tallies = {path: _Tally(len(folder.classes), layer.num_experts) for path, layer in layers.items()}
     images_per_class, skipped = [0] * len(folder.classes), []
     batches = [folder.files[i:i + batch_size] for i in range(0, len(folder.files), batch_size)]
@@ -215,7 +217,7 @@ def inspect_routing(model: nn.Module, folder: ImageFolder, *, batch_size: int = 
         if not tensors:
             continue
         for path, layer in layers.items():
-            tallies[path].add(layer, torch.tensor(labels), kinds[path].inspect.tally)
+            tallies[path].add(layer, torch.tensor(labels), routers[path].inspection.tally)
         for label in labels:
             images_per_class[label] += 1
     if on_batch is not None:
@@ -229,7 +231,7 @@ def inspect_routing(model: nn.Module, folder: ImageFolder, *, batch_size: int = 
         source=source, model=plan.name, input_size=tuple(plan.input_size),
         data_config={k: list(v) if isinstance(v, tuple) else v for k, v in config.items()},
         classes=list(folder.classes), images_per_class=images_per_class,
-        layers=[tallies[path].result(path, layer, plan.layer(path).router["kind"]) for path, layer in layers.items()],
+        layers=[tallies[path].result(path, layer, routers[path]) for path, layer in layers.items()],
         skipped=skipped, empty_classes=list(folder.empty_classes))
 
 

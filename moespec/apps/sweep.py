@@ -1,6 +1,6 @@
 """Sweeps: the stats of every point of a grid of changes to one spec.
 
-    --set moe.0.experts=4,8,16 --set moe.0.top_k=1,2   ->   6 specs: experts x top_k (cartesian product)
+    --set moe.0.experts=4,8,16 --set moe.0.router.top_k=1,2   ->   6 specs: experts x top_k (cartesian product)
 
 A setting is `PATH=VALUES`. PATH walks the spec document: mapping keys and list indices, joined by dots
 (`moe.0.router.kind`); a missing mapping on the way is created. VALUES are split at the commas that are not
@@ -27,6 +27,7 @@ from ..counting import SpecStats, stats
 from ..counting.report import show
 from ..errors import MoespecError, SpecError, did_you_mean
 from ..spec import allowed_keys, load_spec, read_document
+from ..spec.compat import MOVED_TO_ROUTER
 from ..spec.yaml_limits import BoundedLoader
 from .plots import save_figure, sweep_figure
 
@@ -53,7 +54,7 @@ class SweepPoint:
 
     @property
     def label(self) -> str:
-        """`moe.0.experts=8, moe.0.top_k=2`, the values in YAML flow style."""
+        """`moe.0.experts=8, moe.0.router.top_k=2`, the values in YAML flow style."""
         return ", ".join(f"{path}={show(value)}" for path, value in self.settings.items())
 
 
@@ -121,8 +122,10 @@ def assign(document: dict, setting: Setting, value: Any) -> None:
             key = next((k for k in node if str(k) == part), part)  # YAML keys may be ints (stages: {2: ...})
             allowed = allowed_keys(walked, node)
             if allowed and key not in node and part not in allowed:
+                hint = (f"; {part} is a router setting: {_where([*walked, 'router', part])}"
+                        if part in MOVED_TO_ROUTER and "router" in allowed else did_you_mean(part, allowed))
                 raise MoespecError(f"--set {setting.path}: unknown key {part!r} in {_where(walked)}; allowed: "
-                                   f"{', '.join(allowed)}{did_you_mean(part, allowed)}")
+                                   f"{', '.join(allowed)}{hint}")
         else:
             raise MoespecError(f"--set {setting.path}: {_where(walked)} is {show(node)}, not a mapping or a list")
         if last:

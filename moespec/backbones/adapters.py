@@ -33,10 +33,11 @@ class Adapter:
         channels_dim = 1 if isinstance(fc1, nn.Conv2d) else -1
         return FFNShape(self.family, _in(fc1), _in(fc2), _out(fc2), channels_dim)
 
-    def build_experts(self, ffn: nn.Module, experts: int, hidden: int) -> Experts:
-        """`experts` experts with `ffn`'s structure at `hidden` width (fresh init)."""
+    def build_experts(self, ffn: nn.Module, num_experts: int, hidden: int) -> Experts:
+        """`num_experts` experts with `ffn`'s structure at `hidden` width (fresh init)."""
         s = self.shape(ffn)
-        return Experts(experts, s.in_features, hidden, s.out_features, act=copy.deepcopy(ffn.act), **self.options(ffn))
+        return Experts(num_experts, s.in_features, hidden, s.out_features, act=copy.deepcopy(ffn.act),
+                       **self.options(ffn))
 
     def options(self, ffn: nn.Module) -> dict:
         """`Experts` keyword arguments that reproduce `ffn`: glu, inner_norm, norm_eps, bias, drop."""

@@ -13,11 +13,11 @@ from ..planning import LayerPlan
 def build_moe(layer: LayerPlan, dense_ffn: nn.Module) -> nn.Module:
     """An MoE layer with the structure of `dense_ffn` at the plan's widths, freshly initialized."""
     adapter = adapter_named(layer.family)
-    experts = adapter.build_experts(dense_ffn, layer.experts, layer.expert_hidden)
+    experts = adapter.build_experts(dense_ffn, layer.num_experts, layer.expert_hidden)
     shared = None
     if layer.shared_experts:
         shared = adapter.build_experts(dense_ffn, layer.shared_experts, layer.expert_hidden)
-    return layer.kind.build(layer.router, layer, experts, shared)
+    return layer.router.build(layer, experts, shared)
 
 
 def materialize(module: nn.Module, device: str | torch.device = "cpu") -> nn.Module:

@@ -22,7 +22,7 @@ from torch import fx, nn
 
 from ..backbones import create_backbone, refuse_if_too_large, resolve_device
 from ..errors import SpecError
-from ..layers import MOE_LAYERS, Experts
+from ..layers import Experts, MoELayer
 from ..planning import Plan, plan_for
 from ..spec import Spec, located
 from .passes import replace_ffns, rescale_blocks
@@ -147,4 +147,4 @@ def check_fits_in_memory(spec: Spec, device: str | torch.device = "cpu") -> Plan
 
 def moe_layers(model: nn.Module) -> dict[str, nn.Module]:
     """The MoE layers of a compiled model, by qualified name."""
-    return {name: m for name, m in model.named_modules() if isinstance(m, MOE_LAYERS)}
+    return {name: m for name, m in model.named_modules() if isinstance(m, MoELayer)}

@@ -25,7 +25,7 @@ with warnings.catch_warnings():  # fvcore scripts a focal loss at import; torch 
     from fvcore.nn import FlopCountAnalysis
     from fvcore.nn.jit_handles import get_shape
 
-from ..layers import MOE_LAYERS
+from ..layers import MoELayer
 
 FLOP_HANDLES: dict[str, Callable[[list[Any], list[Any]], int]] = {}
 """Op handles added to fvcore's defaults (op name -> fn(inputs, outputs) -> MACs)."""
@@ -77,7 +77,7 @@ class MacCount:
 def count_macs(model: nn.Module, input_size: tuple[int, int, int]) -> MacCount:
     """Count MACs of `model` on one image of `input_size` (eval mode). The trace runs the forward, so parameters
     need real tensors, though not real values: `create_weightless_backbone`'s zero-stride views will do."""
-    layers = {name: m for name, m in model.named_modules() if isinstance(m, MOE_LAYERS)}
+    layers = {name: m for name, m in model.named_modules() if isinstance(m, MoELayer)}
     was_training = model.training
     model.eval()
     try:

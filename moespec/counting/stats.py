@@ -2,11 +2,11 @@
 
 Counting rules, as the papers count:
 - parameters are counted from the built model, each shared tensor once, buffers never;
-- activated parameters per routed item = everything outside MoE layers + routers + shared experts + top_k
-  routed experts per MoE layer;
+- activated parameters per routed item = everything outside MoE layers + routers + shared experts + the
+  routed experts one item uses per MoE layer (`MoELayer.experts_per_item`: k for top-k);
 - MACs follow fvcore (one multiply-add = one flop) at batch 1 and the spec's input size; MoE layers are
-  costed as activated compute under perfect balance and no drops (see `flops.py`); which experts one item
-  activates is its router kind's rule (`RouterKind.activated`).
+  costed as activated compute under perfect balance and no drops (see `flops.py`), from the same
+  `experts_per_item`.
 
 The backbone is built and traced once per spec: the dense figures come from it before the rewrite, the MoE
 figures from the compiled model that shares its modules. No weight is allocated: the backbone's parameters are
@@ -165,18 +165,18 @@ def _count(spec: Spec) -> SpecStats:
 
 def _layer_stats(path: str, moe: nn.Module, layer: LayerPlan, macs: MacCount) -> LayerStats:
     """Params and MACs of one MoE layer. Activated params: the router, the shared experts and the routed
-    experts one routed unit uses, as its router kind says (top_k per token or per image, c on average for
-    expert choice, every expert for Soft MoE)."""
+    experts one routed unit uses (`experts_per_item`: top_k per token or per image, E·C/T for expert choice,
+    every expert for Soft MoE)."""
     routed = count_params(moe.experts)
     other = count_params(moe) - routed  # router (or Soft MoE's Phi and scale) + shared experts
     per_expert = routed // moe.num_experts
-    experts_used, activated = layer.kind.activated(layer.router, layer)
     items, images = macs.moe_items[path], macs.moe_images[path]
+    experts_used = moe.experts_per_item(items, images)
     executed = moe.executed_macs(items, images)
     return LayerStats(
-        path=path, experts=moe.num_experts, top_k=moe.top_k, shared_experts=layer.shared_experts,
+        path=path, experts=moe.num_experts, top_k=layer.router.picks(), shared_experts=layer.shared_experts,
         params=routed + other, routed_params=routed, activated_params=other + round(experts_used * per_expert),
-        gmacs=macs.moe_layers[path] / 1e9, activated=activated,
+        gmacs=macs.moe_layers[path] / 1e9, activated=layer.router.activated_unit(),
         items=items, executed_gmacs=executed / 1e9 if executed is not None else None,
     )
 

@@ -36,11 +36,11 @@ Dispatch = Literal["auto", "loop", "padded", "grouped_mm"]
 class StackedLinear(nn.Module):
     """E independent linear maps `in_features -> out_features`: weight [E, out, in], bias [E, out]."""
 
-    def __init__(self, experts: int, in_features: int, out_features: int, bias: bool = True):
+    def __init__(self, num_experts: int, in_features: int, out_features: int, bias: bool = True):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
-        self.weight = nn.Parameter(torch.empty(experts, out_features, in_features))
-        self.bias = nn.Parameter(torch.empty(experts, out_features)) if bias else None
+        self.weight = nn.Parameter(torch.empty(num_experts, out_features, in_features))
+        self.bias = nn.Parameter(torch.empty(num_experts, out_features)) if bias else None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -58,11 +58,11 @@ class StackedLinear(nn.Module):
 class StackedNorm(nn.Module):
     """Per-expert affine parameters of a norm over the hidden units: weight, bias [E, H]."""
 
-    def __init__(self, experts: int, features: int, eps: float):
+    def __init__(self, num_experts: int, features: int, eps: float):
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(experts, features))
-        self.bias = nn.Parameter(torch.zeros(experts, features))
+        self.weight = nn.Parameter(torch.ones(num_experts, features))
+        self.bias = nn.Parameter(torch.zeros(num_experts, features))
 
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)
@@ -73,7 +73,7 @@ class Experts(nn.Module):
     """E FFN experts applied to contiguous per-expert segments of routed items.
 
     Args:
-        experts: number of experts E.
+        num_experts: E.
         in_features / hidden / out_features: C -> H -> C' widths of one expert (H after gating).
         act: the FFN's activation module (shared; activations hold no parameters).
         glu: None for a plain FFN, else which half of fc1's 2H outputs goes through `act` (the GLU order).
@@ -85,7 +85,7 @@ class Experts(nn.Module):
 
     def __init__(
         self,
-        experts: int,
+        num_experts: int,
         in_features: int,
         hidden: int,
         out_features: int,
@@ -98,12 +98,12 @@ class Experts(nn.Module):
         drop: tuple[float, float] = (0.0, 0.0),
     ):
         super().__init__()
-        self.num_experts, self.hidden = experts, hidden
+        self.num_experts, self.hidden = num_experts, hidden
         self.glu, self.inner_norm, self.drop = glu, inner_norm, drop
-        self.fc1 = StackedLinear(experts, in_features, hidden * (2 if glu else 1), bias=bias[0])
+        self.fc1 = StackedLinear(num_experts, in_features, hidden * (2 if glu else 1), bias=bias[0])
         self.act = act
-        self.norm = StackedNorm(experts, hidden, norm_eps) if inner_norm != "none" else None
-        self.fc2 = StackedLinear(experts, hidden, out_features, bias=bias[1])
+        self.norm = StackedNorm(num_experts, hidden, norm_eps) if inner_norm != "none" else None
+        self.fc2 = StackedLinear(num_experts, hidden, out_features, bias=bias[1])
 
     @property
     def needs_groups(self) -> bool:

@@ -24,14 +24,15 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .experts import Experts
+from .interfaces import MoELayer, Router
 from .routing import AUX_LOSSES, Routing, items_per_image
 
 
-class MoE(nn.Module):
+class MoE(MoELayer):
     """Sparse mixture of experts over the items of a token sequence or feature map.
 
     Args:
-        router: a router module (`routers.py`), called as router(items [T, C], images) -> Routing.
+        router: a `Router` (`interfaces.py`), called as router(items [T, C], images) -> Routing.
         experts: the routed `Experts` bank.
         shared: an `Experts` bank of always-active experts, or None.
         channels_dim: where the features are: -1 for [..., C] inputs, 1 for [B, C, H, W].
@@ -42,7 +43,7 @@ class MoE(nn.Module):
             GradScaler given to `follow_grad_scaler`, if any.
     """
 
-    def __init__(self, router: nn.Module, experts: Experts, shared: Experts | None = None, *, channels_dim: int = -1,
+    def __init__(self, router: Router, experts: Experts, shared: Experts | None = None, *, channels_dim: int = -1,
                  aux_loss_weights: dict[str, float] | None = None, aux_loss_in_backward: bool = False,
                  aux_loss_backward_scale: float = 1.0):
         super().__init__()
@@ -61,14 +62,6 @@ class MoE(nn.Module):
         start empty, as in a fresh layer (`copy.deepcopy` refuses tensors inside a graph, so copying a model
         after a forward, as an EMA or a kept best model does, raised)."""
         return {**self.__dict__, "aux_losses": {}, "last_routing": None, "last_items": 0, "last_images": 0}
-
-    @property
-    def num_experts(self) -> int:
-        return self.experts.num_experts
-
-    @property
-    def top_k(self) -> int:
-        return self.router.top_k
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         channels_last = x if self.channels_dim in (-1, x.dim() - 1) else x.movedim(self.channels_dim, -1)
@@ -141,23 +134,23 @@ class MoE(nn.Module):
             "mean_top1_gate": routing.top1_value.double().mean().item(),
         }
 
+    def experts_per_item(self, items: int, images: int) -> float:
+        return self.router.experts_per_item(items, images)
+
     def activated_macs(self, items: int, images: int) -> int:
         """MACs of one forward of `items` items in `images` images, under perfect balance and no drops: the
-        gate, each routed row through its expert plus the weighted combine, and the shared experts."""
-        per_row = self.experts.macs_per_item() + self.experts.out_features
-        return self.router.gate_macs(items, images) + self.router.routed_rows(items, images) * per_row \
-            + items * self._shared_macs()
+        gate, each dispatched item's rows through its experts plus the weighted combine, and the shared experts."""
+        rows = round(self.experts_per_item(items, images) * self.router.dispatched(items))
+        return self._macs(items, images, rows)
 
     def executed_macs(self, items: int, images: int) -> int | None:
         """MACs with every expert padded to its capacity (None without a capacity factor)."""
-        rows = getattr(self.router, "executed_rows", lambda items: None)(items)
-        if rows is None:
-            return None
-        per_row = self.experts.macs_per_item() + self.experts.out_features
-        return self.router.gate_macs(items, images) + rows * per_row + items * self._shared_macs()
+        rows = self.router.capacity_rows(items)
+        return None if rows is None else self._macs(items, images, rows)
 
-    def _shared_macs(self) -> int:
-        return self.shared.num_experts * self.shared.macs_per_item() if self.shared is not None else 0
+    def _macs(self, items: int, images: int, rows: int | float) -> int:
+        per_row = self.experts.macs_per_item() + self.experts.out_features
+        return self.router.gate_macs(items, images) + rows * per_row + items * self.shared_macs()
 
     def weighted_aux_loss(self) -> torch.Tensor | None:
         """Sum of weight * aux loss of the last forward (None before the first forward or without weights)."""
@@ -166,7 +159,7 @@ class MoE(nn.Module):
         return sum(weight * self.aux_losses[kind] for kind, weight in self.aux_loss_weights.items())
 
     def extra_repr(self) -> str:
-        return f"experts={self.num_experts}, top_k={self.top_k}, channels_dim={self.channels_dim}"
+        return f"experts={self.num_experts}, channels_dim={self.channels_dim}"
 
 
 class AuxLossAutoScaler(torch.autograd.Function):

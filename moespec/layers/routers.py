@@ -18,15 +18,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .interfaces import Router
 from .routing import Groups, Routing, at_least_fp32, group_pairs, items_per_image, load_counts, smooth_load
 
 
 class LinearGate(nn.Module):
     """logits = W_g x (no bias)."""
 
-    def __init__(self, dim: int, experts: int):
+    def __init__(self, dim: int, num_experts: int):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(experts, dim))
+        self.weight = nn.Parameter(torch.empty(num_experts, dim))
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -45,11 +46,12 @@ class ProjectedGate(nn.Module):
     cosine: logits = cos(W_p x, e_i) / temperature;  l2: logits = -||W_p x - e_i|| / temperature.
     """
 
-    def __init__(self, dim: int, experts: int, proj_dim: int = 16, temperature: float = 0.07, metric: str = "cosine"):
+    def __init__(self, dim: int, num_experts: int, proj_dim: int = 16, temperature: float = 0.07,
+                 metric: str = "cosine"):
         super().__init__()
         self.metric, self.temperature = metric, temperature
         self.proj = nn.Linear(dim, proj_dim, bias=False)
-        self.weight = nn.Parameter(torch.empty(experts, proj_dim))  # expert codes
+        self.weight = nn.Parameter(torch.empty(num_experts, proj_dim))  # expert codes
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -66,12 +68,12 @@ class ProjectedGate(nn.Module):
         return -torch.cdist(z.float(), self.weight.float()).to(z.dtype) / self.temperature
 
 
-class TopKRouter(nn.Module):
+class TopKRouter(Router):
     """Token choice top-k (Shazeer et al. 2017), optionally noisy, capacity-limited, BPR, importance drop.
 
     Args:
         gate: a gate module mapping items [T, C] to logits [T, E].
-        experts: E.  top_k: k.
+        num_experts: E.  top_k: k.
         normalize: renormalize the k kept gate values to sum to 1.
         noise_std: std of N(0, std^2) added to the logits in training (0: none).
         capacity_factor: each expert keeps at most ceil(c * k * T / E) pairs (None: dropless).
@@ -82,11 +84,11 @@ class TopKRouter(nn.Module):
             drops are decided within each group, T above being the group's items.
     """
 
-    def __init__(self, gate: nn.Module, experts: int, top_k: int, *, normalize: bool = False, noise_std: float = 0.0,
-                 capacity_factor: float | None = None, bpr: bool = False, drop_fraction: float = 0.0,
-                 group: int | None = 1):
+    def __init__(self, gate: nn.Module, num_experts: int, top_k: int, *, normalize: bool = False,
+                 noise_std: float = 0.0, capacity_factor: float | None = None, bpr: bool = False,
+                 drop_fraction: float = 0.0, group: int | None = 1):
         super().__init__()
-        self.gate, self.num_experts, self.top_k = gate, experts, top_k
+        self.gate, self.num_experts, self.top_k = gate, num_experts, top_k
         self.normalize, self.noise_std = normalize, noise_std
         self.capacity_factor, self.bpr, self.drop_fraction = capacity_factor, bpr, drop_fraction
         self.group = group
@@ -103,11 +105,10 @@ class TopKRouter(nn.Module):
     def gate_macs(self, items: int, images: int) -> int:
         return items * self.gate.macs_per_item()
 
-    def routed_rows(self, items: int, images: int) -> int:
-        """Expert rows under perfect balance and no capacity drops: k per dispatched item."""
-        return self.top_k * self.dispatched(items)
+    def experts_per_item(self, items: int, images: int) -> int:
+        return self.top_k
 
-    def executed_rows(self, items: int) -> float | None:
+    def capacity_rows(self, items: int) -> float | None:
         """Expert rows per `items` (one image's) when every expert runs its full capacity in full routing
         groups (None when dropless): E * capacity(T_group) / images per group."""
         if self.capacity_factor is None:
@@ -138,22 +139,22 @@ class TopKRouter(nn.Module):
                        load, pairs.kept, pairs.expert)
 
 
-class ImageRouter(nn.Module):
+class ImageRouter(Router):
     """Image-level routing (ViMoE): the gate reads one vector per image, the [CLS] token (`pool="cls"`,
     the first token of each image's sequence) or the mean token, and picks top-k experts for every token
     of that image.
     """
 
-    def __init__(self, gate: nn.Module, experts: int, top_k: int, *, normalize: bool = False, pool: str = "cls"):
+    def __init__(self, gate: nn.Module, num_experts: int, top_k: int, *, normalize: bool = False, pool: str = "cls"):
         super().__init__()
-        self.gate, self.num_experts, self.top_k = gate, experts, top_k
+        self.gate, self.num_experts, self.top_k = gate, num_experts, top_k
         self.normalize, self.pool = normalize, pool
 
     def gate_macs(self, items: int, images: int) -> int:
         return images * self.gate.macs_per_item()  # one decision per image
 
-    def routed_rows(self, items: int, images: int) -> int:
-        return self.top_k * items
+    def experts_per_item(self, items: int, images: int) -> int:
+        return self.top_k  # every token goes where its image goes
 
     def forward(self, x: torch.Tensor, images: int = 1) -> Routing:
         per_image = x.reshape(images, items_per_image(x.shape[0], images), x.shape[-1])
@@ -170,17 +171,16 @@ class ImageRouter(nn.Module):
                        load_counts(experts, self.num_experts), pairs.kept, pairs.expert)
 
 
-class ExpertChoiceRouter(nn.Module):
+class ExpertChoiceRouter(Router):
     """Expert choice (Zhou et al. 2022): probs = softmax over experts; expert i takes the C items with the
     highest probs[:, i], C = round(c * T / E) (at least 1, at most T), within each routing group of `group`
     images (1: each image alone; None: the whole batch), T being the group's items. An item may be taken by
     several experts or by none."""
 
-    def __init__(self, gate: nn.Module, experts: int, capacity: float = 1.0, group: int | None = 1):
+    def __init__(self, gate: nn.Module, num_experts: int, capacity: float = 1.0, group: int | None = 1):
         super().__init__()
-        self.gate, self.num_experts, self.capacity_per_item = gate, experts, capacity
+        self.gate, self.num_experts, self.capacity_per_item = gate, num_experts, capacity
         self.group = group
-        self.top_k = 1  # for reporting; the average is `capacity` experts per item
 
     def capacity(self, items: int) -> int:
         return min(items, max(1, round(self.capacity_per_item * items / self.num_experts)))
@@ -188,9 +188,9 @@ class ExpertChoiceRouter(nn.Module):
     def gate_macs(self, items: int, images: int) -> int:
         return items * self.gate.macs_per_item()
 
-    def routed_rows(self, items: int, images: int) -> int:
-        """E * C rows: c expert passes per item on average."""
-        return self.num_experts * self.capacity(items)
+    def experts_per_item(self, items: int, images: int) -> float:
+        """E * C rows for T items: about c expert passes per item."""
+        return self.num_experts * self.capacity(items) / items if items else self.capacity_per_item
 
     def forward(self, x: torch.Tensor, images: int = 1) -> Routing:
         logits = at_least_fp32(self.gate(x))

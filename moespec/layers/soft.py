@@ -21,9 +21,10 @@ from torch import nn
 
 from .collectives import all_reduce_sum
 from .experts import Experts
+from .interfaces import MoELayer
 
 
-class SoftMoE(nn.Module):
+class SoftMoE(MoELayer):
     """Soft MoE over the items of each image.
 
     Args:
@@ -57,14 +58,8 @@ class SoftMoE(nn.Module):
         nn.init.ones_(self.scale)
 
     @property
-    def num_experts(self) -> int:
-        return self.experts.num_experts
-
-    @property
     def slots(self) -> int:
         return self.phi.shape[1]
-
-    top_k = 1  # for reporting: every token reaches every slot softly
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         channels_last = x if self.channels_dim in (-1, x.dim() - 1) else x.movedim(self.channels_dim, -1)
@@ -114,19 +109,16 @@ class SoftMoE(nn.Module):
             "mean_top1_gate": (gate / units).item(),
         }
 
+    def experts_per_item(self, items: int, images: int) -> int:
+        """Every expert: each slot mixes every token of the sequence."""
+        return self.num_experts
+
     def activated_macs(self, items: int, images: int) -> int:
         """Logits (T x C x S), dispatch D^T X and combine C Y~ (T x S x C each), and the S slot FFNs of each
         image; shared experts on every token. l2-normalization and softmax are elementwise (not counted)."""
         dim, out = self.experts.in_features, self.experts.out_features
-        shared = self.shared.num_experts * self.shared.macs_per_item() if self.shared is not None else 0
         slot_ffns = images * self.slots * self.experts.macs_per_item()
-        return items * self.slots * (2 * dim + out) + slot_ffns + items * shared
-
-    def executed_macs(self, items: int, images: int) -> None:
-        return None
-
-    def weighted_aux_loss(self) -> None:
-        return None
+        return items * self.slots * (2 * dim + out) + slot_ffns + items * self.shared_macs()
 
     def extra_repr(self) -> str:
         return f"experts={self.num_experts}, slots_per_expert={self.slots_per_expert}, channels_dim={self.channels_dim}"

@@ -12,8 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import Problem, SpecError, did_you_mean
-from ..spec import BackboneSketch, BlockLayout, FFNShape, MoEGroup, Spec, located, spec_problem
-from ..spec.registry import RouterKind, router_kind
+from ..spec import BackboneSketch, BlockLayout, FFNShape, MoEGroup, RouterSpec, Spec, located, spec_problem
 from ..spec.selectors import SelectorError, resolve_where
 from .cache import backbone_facts
 from .checks import checkpoint_problem, input_size_of
@@ -21,7 +20,7 @@ from .checks import checkpoint_problem, input_size_of
 
 @dataclass(frozen=True)
 class LayerPlan:
-    """One FFN call site that becomes an MoE layer: numbers and names only."""
+    """One FFN call site that becomes an MoE layer: numbers, names and its typed router spec."""
 
     path: str  # qualified name of the dense FFN, kept by the MoE layer (e.g. "blocks.1.mlp")
     group: int  # index of the surgery group in spec.moe
@@ -32,29 +31,12 @@ class LayerPlan:
     expert_hidden: int
     out_features: int
     channels_dim: int  # -1: features last; 1: [B, C, H, W]
-    experts: int
-    top_k: int
+    num_experts: int  # routed experts E
     shared_experts: int
-    router: dict = field(hash=False)  # the spec's `router:` as plain data, model-dependent defaults filled in
-    capacity_factor: float | None = None
+    router: RouterSpec = field(hash=False)  # the spec's `router:`, model-dependent defaults filled in (`resolve`)
     aux_loss_weights: dict = field(default_factory=dict, hash=False)  # aux-loss kind -> summed weight
     aux_loss_in_backward: bool = False  # the aux loss reaches the gradients without `moespec.aux_loss`
     aux_loss_backward_scale: float = 1.0  # ... times the loop's loss factor (1/N with N accumulation steps)
-
-    @property
-    def kind(self) -> RouterKind:
-        """The router kind's registry entry: what every later stage asks instead of branching on the kind."""
-        return router_kind(self.router["kind"])
-
-    @property
-    def pool(self) -> str | None:
-        """Image routing: the vector the gate reads, "cls" or "mean"."""
-        return self.router.get("pool")
-
-    @property
-    def router_name(self) -> str:
-        """The router kind's short description, e.g. `topk/linear norm` or `soft p=1`."""
-        return self.kind.describe(self.router, self)
 
 
 @dataclass(frozen=True)
@@ -78,7 +60,7 @@ class RescalePlan:
 
 @dataclass(frozen=True)
 class Plan:
-    """What the compiler will change in the backbone, in network order. Plain data: no spec objects."""
+    """What the compiler will change in the backbone, in network order: plain data and the frozen router specs."""
 
     name: str  # the spec's name
     model: str  # the timm model name
@@ -99,8 +81,8 @@ class Plan:
     def rows(self) -> list[tuple[str, ...]]:
         """One row of strings per MoE layer, in the order of `COLUMNS`."""
         return [(layer.path, layer.family, str(layer.in_features), str(layer.dense_hidden), str(layer.expert_hidden),
-                 str(layer.experts), str(layer.top_k), str(layer.shared_experts), layer.router_name)
-                for layer in self.layers]
+                 str(layer.num_experts), str(layer.router.picks()), str(layer.shared_experts),
+                 layer.router.describe(layer)) for layer in self.layers]
 
     def summary(self) -> str:
         """One line about the backbone, then one per rescaled block."""
@@ -254,9 +236,8 @@ def _rescaled_shape(block: str, sublayer: str, rescaled: dict, sketch: BackboneS
 def _layer_plan(spec: Spec, index: int, group: MoEGroup, block: int, path: str, sketch: BackboneSketch,
                 problems: list[Problem], shape: FFNShape | None = None) -> LayerPlan | None:
     shape = shape or sketch.ffns[path]
-    kind = router_kind(group.router.kind)
     try:
-        router = kind.resolve(group.router.model_dump(), sketch, spec.backbone.model)
+        router = group.router.resolve(sketch, spec.backbone.model)
     except SpecError as error:
         problems += [spec_problem(spec, f"moe.{index}.router.{p.path}", p.message) for p in error.problems]
         return None
@@ -276,8 +257,8 @@ def _layer_plan(spec: Spec, index: int, group: MoEGroup, block: int, path: str, 
         path=path, group=index, block=block, family=shape.family,
         in_features=shape.in_features, dense_hidden=shape.hidden, expert_hidden=hidden,
         out_features=shape.out_features, channels_dim=shape.channels_dim,
-        experts=group.experts, top_k=group.top_k, shared_experts=group.shared_experts,
-        router=router, capacity_factor=group.capacity_factor, aux_loss_weights=_aux_loss_weights(group),
+        num_experts=group.experts, shared_experts=group.shared_experts, router=router,
+        aux_loss_weights=_aux_loss_weights(group),
         aux_loss_in_backward=spec.aux_loss_in_backward,
         aux_loss_backward_scale=spec.aux_loss_backward_scale,
     )

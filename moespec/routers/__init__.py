@@ -1,7 +1,7 @@
-"""Router kinds, one file each, every one a complete `spec.RouterKind`: its spec model, module builder,
-upcycling caveats, activated-parameter rule and what `moespec inspect` counts. Importing this package
-registers the built-in kinds; a new kind is one more file and one `register_router_kind` call (README,
-"Extending").
+"""Router kinds, one file each, every one a complete `spec.RouterSpec` subclass: its settings, and what the
+later stages ask of it (the module it builds, its plan column, upcycling caveats, what an activated item is and
+what `moespec inspect` counts). Importing this package registers the built-in kinds; a new kind is one more
+file whose class is decorated with `register_router_kind` (README, "Extending").
 
 Registering needs only pydantic: the built-in kinds import torch and `moespec.layers` inside the functions that
 build modules or tally an inspection, so that validating YAML, `moespec schema` and `moespec --help` do not pay
@@ -16,6 +16,6 @@ from . import topk  # noqa: F401, I001
 from . import expert_choice  # noqa: F401
 from . import soft  # noqa: F401
 from . import image  # noqa: F401
-from .gates import Gate, GateField, build_gate, routed_pairs, sparse_moe
+from .gates import TOKENS, Gate, GateField, RoutingGroup, build_gate, routed_pairs, sparse_moe
 
-__all__ = ["Gate", "GateField", "build_gate", "routed_pairs", "sparse_moe"]
+__all__ = ["TOKENS", "Gate", "GateField", "RoutingGroup", "build_gate", "routed_pairs", "sparse_moe"]

@@ -6,47 +6,46 @@ from __future__ import annotations
 from typing import Any, ClassVar, Literal
 
 from ..spec.fields import PositiveFloat
-from ..spec.registry import Inspection, RouterKind, RouterSpec, register_router_kind
+from ..spec.registry import RouterSpec, register_router_kind
 from .gates import (
+    TOKENS,
     Gate,
     GateField,
+    RoutingGroup,
     build_gate,
     describe_gate,
     describe_group,
     images_per_group,
-    routed_pairs,
     sparse_moe,
 )
 
 
+@register_router_kind
 class ExpertChoiceRouterSpec(RouterSpec):
     """Expert choice (Zhou et al. 2022): each expert takes its top C = capacity * T / E items."""
 
     kind: Literal["expert_choice"]
+    group: RoutingGroup = None
     gate: GateField = Gate()
     capacity: PositiveFloat = 1.0
     """c: on average each item is processed by c experts."""
 
     title: ClassVar[str] = "expert choice"
-    takes_top_k: ClassVar[bool] = False
-    instead: ClassVar[str] = "set router.capacity"
+    inspection: ClassVar = TOKENS
 
+    def activated_unit(self) -> str:
+        return f"per token, on average (c = {self.capacity:g} experts)"
 
-def build(router: dict, layer: Any, experts, shared):
-    from ..layers import ExpertChoiceRouter  # torch: deferred (routers/__init__)
+    def build(self, layer: Any, experts: Any, shared: Any) -> Any:
+        from ..layers import ExpertChoiceRouter  # torch: deferred (routers/__init__)
 
-    gate = build_gate(router["gate"], layer.in_features, layer.experts)
-    module = ExpertChoiceRouter(gate, layer.experts, capacity=router["capacity"],
-                                group=images_per_group(router["group"]))
-    return sparse_moe(module, layer, experts, shared)
+        gate = build_gate(self.gate, layer.in_features, layer.num_experts)
+        module = ExpertChoiceRouter(gate, layer.num_experts, capacity=self.capacity,
+                                    group=images_per_group(self.group))
+        return sparse_moe(module, layer, experts, shared)
 
+    def describe(self, layer: Any) -> str:
+        return f"{describe_gate('expert_choice', self.gate)} c={self.capacity:g} {describe_group(self.group)}"
 
-EXPERT_CHOICE = register_router_kind(RouterKind(
-    spec=ExpertChoiceRouterSpec, build=build,
-    describe=lambda router, layer: f"{describe_gate('expert_choice', router)} c={router['capacity']:g} "
-                                   f"{describe_group(router)}",
-    caveats=lambda router, layer: ["with expert choice a token may be taken by several experts or by none"],
-    activated=lambda router, layer: (router["capacity"], f"per token, on average (c = {router['capacity']:g} experts)"),
-    inspect=Inspection(unit="token", name=lambda top_k: "expert choice",
-                       share_label="share of the class's tokens\nsent to the expert", tally=routed_pairs),
-))
+    def caveats(self, layer: Any) -> list[str]:
+        return ["with expert choice a token may be taken by several experts or by none"]

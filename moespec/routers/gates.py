@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Annotated, Any, Literal, Optional, Union
 
-from pydantic import BeforeValidator, model_validator
+from pydantic import BeforeValidator, Field, model_validator
 
 from ..spec.fields import IntRange, PositiveFloat, SpecModel
+from ..spec.registry import Inspection
 
 if TYPE_CHECKING:  # torch and the layers are imported where used (see routers/__init__)
     from torch import nn
@@ -18,6 +19,8 @@ if TYPE_CHECKING:  # torch and the layers are imported where used (see routers/_
     from ..layers import Experts, MoE
 
 DEFAULT_GATE_DIM, DEFAULT_TEMPERATURE = 16, 0.07  # cosine / l2 gates (X-MoE, Chi et al. 2022)
+MAX_GROUP_IMAGES = 1_048_576
+"""Images per routing group (2**20): more than any batch; V-MoE groups a device's batch (Riquelme et al. 2021)."""
 MAX_GATE_DIM = 65_536
 """A cosine / l2 gate's projection width: X-MoE uses 16; 65,536 is wider than any backbone's items."""
 
@@ -54,28 +57,38 @@ GateField = Annotated[Gate, BeforeValidator(_gate_shorthand,
 """A `gate:` field: a Gate mapping, or just its kind."""
 
 
+RoutingGroup = Annotated[
+    Optional[Union[Literal["image", "batch"], IntRange(1, MAX_GROUP_IMAGES)]],
+    Field(description="The routing group, within which capacity, priority and drops are decided: `image` (the "
+                      "default) routes\neach image alone, so its prediction does not depend on the rest of its batch; "
+                      "N, groups of N consecutive\nimages (V-MoE's group_size); `batch`, the whole batch."),
+]
+"""A router's `group:` field (the kinds whose decisions couple items: top-k with a capacity or drops, expert
+choice)."""
+
+
 def images_per_group(group: str | int | None) -> int | None:
     """A router's `group` as the layer takes it: images per routing group, None for the whole batch."""
     return 1 if group in (None, "image") else None if group == "batch" else int(group)
 
 
-def describe_group(router: dict) -> str:
-    return f"group={router['group'] or 'image'}"
+def describe_group(group: str | int | None) -> str:
+    return f"group={group or 'image'}"
 
 
-def build_gate(gate: dict, dim: int, experts: int) -> nn.Module:
-    """The gate module of a plan's `gate` (linear, cosine or l2) over items of width `dim`."""
+def build_gate(gate: Gate, dim: int, num_experts: int) -> nn.Module:
+    """The gate module of a `gate:` spec (linear, cosine or l2) over items of width `dim`."""
     from ..layers import LinearGate, ProjectedGate  # torch: deferred (routers/__init__)
 
-    if gate["kind"] == "linear":
-        return LinearGate(dim, experts)
-    return ProjectedGate(dim, experts, proj_dim=gate["dim"] or DEFAULT_GATE_DIM,
-                         temperature=gate["temperature"] or DEFAULT_TEMPERATURE, metric=gate["kind"])
+    if gate.kind == "linear":
+        return LinearGate(dim, num_experts)
+    return ProjectedGate(dim, num_experts, proj_dim=gate.dim or DEFAULT_GATE_DIM,
+                         temperature=gate.temperature or DEFAULT_TEMPERATURE, metric=gate.kind)
 
 
-def describe_gate(kind: str, router: dict) -> str:
+def describe_gate(kind: str, gate: Gate) -> str:
     """`topk/linear`, `image/cls/cosine`: the kind and the gate, the start of a plan's router column."""
-    return f"{kind}/{router['gate']['kind']}"
+    return f"{kind}/{gate.kind}"
 
 
 def sparse_moe(router: nn.Module, layer: Any, experts: Experts, shared: Experts | None) -> MoE:
@@ -98,3 +111,7 @@ def routed_pairs(moe: MoE) -> tuple[Any, float]:
     pairs = torch.zeros(images, moe.num_experts, dtype=torch.float64)
     pairs.index_put_((image, expert), torch.ones(len(expert), dtype=torch.float64), accumulate=True)
     return pairs, float((~routing.kept).sum())
+
+
+TOKENS = Inspection(unit="token", share_label="share of the class's tokens\nsent to the expert", tally=routed_pairs)
+"""What `moespec inspect` counts for the routers that send tokens to experts: (token, expert) pairs."""

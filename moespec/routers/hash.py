@@ -17,13 +17,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..layers import Routing
+from ..layers import Router, Routing
 from ..layers.routing import items_per_image, stable_argsort
 from ..spec.fields import IntRange
-from ..spec.registry import Inspection, RouterKind, RouterSpec, register_router_kind
-from .gates import routed_pairs, sparse_moe
+from ..spec.registry import RouterSpec, register_router_kind
+from .gates import TOKENS, sparse_moe
 
 
+@register_router_kind
 class HashRouterSpec(RouterSpec):
     """Hash routing (Roller et al. 2021): each position of an image always goes to the same expert."""
 
@@ -32,22 +33,25 @@ class HashRouterSpec(RouterSpec):
     """Seed of the position -> expert permutation."""
 
     title: ClassVar[str] = "hash"
-    takes_top_k: ClassVar[bool] = False
     load_balanced: ClassVar[bool] = False  # balanced by construction
+    inspection: ClassVar = TOKENS
 
-    def group_cannot_matter(self, group: Any) -> str:
-        return "the hash router sends each position to its expert whatever else is routed"
+    def build(self, layer: Any, experts: Any, shared: Any) -> nn.Module:
+        return sparse_moe(HashRouter(layer.num_experts, self.seed), layer, experts, shared)
+
+    def describe(self, layer: Any) -> str:
+        return f"hash seed={self.seed}"
+
+    # caveats: none. One copy of the dense FFN per item with weight 1 computes the dense function.
 
 
-class HashRouter(nn.Module):
+class HashRouter(Router):
     """Routes item n of each image to expert `table[n]`: a seeded permutation of the positions dealt to the
     experts in turn. No parameters; the routing does not depend on the input."""
 
-    top_k = 1
-
-    def __init__(self, experts: int, seed: int = 0):
+    def __init__(self, num_experts: int, seed: int = 0):
         super().__init__()
-        self.num_experts, self.seed = experts, seed
+        self.num_experts, self.seed = num_experts, seed
 
     def table(self, positions: int, device: torch.device) -> torch.Tensor:
         """[positions] expert of each position of an image, each expert taking positions / E of them (+1)."""
@@ -57,8 +61,8 @@ class HashRouter(nn.Module):
     def gate_macs(self, items: int, images: int) -> int:
         return 0
 
-    def routed_rows(self, items: int, images: int) -> int:
-        return items
+    def experts_per_item(self, items: int, images: int) -> float:
+        return 1
 
     def forward(self, x: torch.Tensor, images: int = 1) -> Routing:
         """x: [T, C] items, image after image -> a Routing with one (item, expert) pair per item."""
@@ -74,17 +78,3 @@ class HashRouter(nn.Module):
 
     def extra_repr(self) -> str:
         return f"experts={self.num_experts}, seed={self.seed}"
-
-
-def build(router: dict, layer: Any, experts, shared) -> nn.Module:
-    return sparse_moe(HashRouter(layer.experts, router["seed"]), layer, experts, shared)
-
-
-HASH = register_router_kind(RouterKind(
-    spec=HashRouterSpec, build=build,
-    describe=lambda router, layer: f"hash seed={router['seed']}",
-    caveats=lambda router, layer: [],  # one copy of the dense FFN per item, weight 1: the dense function
-    activated=lambda router, layer: (1, "per token"),
-    inspect=Inspection(unit="token", name=lambda top_k: "hash",
-                       share_label="share of the class's tokens\nsent to the expert", tally=routed_pairs),
-))

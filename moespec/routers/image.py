@@ -6,54 +6,60 @@ from __future__ import annotations
 from typing import Any, ClassVar, Literal, Optional
 
 from ..errors import Problem, SpecError
-from ..spec.registry import Inspection, RouterKind, RouterSpec, register_router_kind
+from ..spec.fields import IntRange
+from ..spec.models import MAX_EXPERTS
+from ..spec.registry import FieldError, Inspection, RouterSpec, register_router_kind
 from .gates import Gate, GateField, build_gate, routed_pairs, sparse_moe
 
 
+@register_router_kind
 class ImageRouterSpec(RouterSpec):
     """Image-level routing (ViMoE): one gate decision per image, from its [CLS] token or mean token."""
 
     kind: Literal["image"]
+    top_k: IntRange(1, MAX_EXPERTS) = 1
+    """Experts per image k, 1 <= k <= experts."""
     gate: GateField = Gate()
     normalize: bool = False
     pool: Optional[Literal["cls", "mean"]] = None
     """Which vector the gate reads; default: `cls` where the model has a [CLS] token, else `mean`."""
 
     title: ClassVar[str] = "image-level top-k"
+    inspection: ClassVar = Inspection(unit="image", share_label="share of the class's images\nsent to the expert",
+                                      tally=routed_pairs)
 
-    def group_cannot_matter(self, group: Any) -> str:
-        return "image routing decides for each image on its own, from that image's vector"
+    def resolve(self, sketch: Any, model: str) -> "ImageRouterSpec":
+        """`pool` defaults to the [CLS] token where the model has one (timm ViTs put it first in the sequence)."""
+        pool = self.pool or ("cls" if sketch.has_cls_token else "mean")
+        if pool == "cls" and not sketch.has_cls_token:
+            raise SpecError(Problem(f"{model} has no [CLS] token; use pool: mean", path="pool"))
+        return self.model_copy(update={"pool": pool})
 
+    def check_experts(self, num_experts: int) -> None:
+        if self.top_k > num_experts:
+            raise FieldError("top_k", f"top_k ({self.top_k}) must be between 1 and experts ({num_experts})")
 
-def resolve(router: dict, sketch: Any, name: str) -> dict:
-    """`pool` defaults to the [CLS] token where the model has one (timm ViTs put it first in the sequence)."""
-    has_cls = sketch.has_cls_token
-    pool = router["pool"] or ("cls" if has_cls else "mean")
-    if pool == "cls" and not has_cls:
-        raise SpecError(Problem(f"{name} has no [CLS] token; use pool: mean", path="pool"))
-    return {**router, "pool": pool}
+    def build(self, layer: Any, experts: Any, shared: Any) -> Any:
+        from ..layers import ImageRouter  # torch: deferred (routers/__init__)
 
+        gate = build_gate(self.gate, layer.in_features, layer.num_experts)
+        module = ImageRouter(gate, layer.num_experts, self.top_k, normalize=self.normalize, pool=self.pool)
+        return sparse_moe(module, layer, experts, shared)
 
-def build(router: dict, layer: Any, experts, shared):
-    from ..layers import ImageRouter  # torch: deferred (routers/__init__)
+    def describe(self, layer: Any) -> str:
+        return f"image/{self.pool}/{self.gate.kind}" + (" norm" if self.normalize else "")
 
-    gate = build_gate(router["gate"], layer.in_features, layer.experts)
-    module = ImageRouter(gate, layer.experts, layer.top_k, normalize=router["normalize"], pool=router["pool"])
-    return sparse_moe(module, layer, experts, shared)
+    def activated_unit(self) -> str:
+        return "per image"
 
+    def picks(self) -> int:
+        return self.top_k
 
-def caveats(router: dict, layer: Any) -> list[str]:
-    if router["normalize"] or layer.top_k >= layer.experts:
-        return []
-    return [f"the top-{layer.top_k} gates are not renormalized (normalize: false), so the FFN output is scaled by "
-            f"the kept gate mass"]
+    def report_name(self) -> str:
+        return f"image-level top-{self.top_k}"
 
-
-IMAGE = register_router_kind(RouterKind(
-    spec=ImageRouterSpec, build=build, resolve=resolve, caveats=caveats,
-    describe=lambda router, layer: (f"image/{router['pool']}/{router['gate']['kind']}"
-                                    + (" norm" if router["normalize"] else "")),
-    activated=lambda router, layer: (layer.top_k, "per image"),
-    inspect=Inspection(unit="image", name=lambda top_k: f"image-level top-{top_k}",
-                       share_label="share of the class's images\nsent to the expert", tally=routed_pairs),
-))
+    def caveats(self, layer: Any) -> list[str]:
+        if self.normalize or self.top_k >= layer.num_experts:
+            return []
+        return [f"the top-{self.top_k} gates are not renormalized (normalize: false), so the FFN output is scaled by "
+                f"the kept gate mass"]

@@ -3,28 +3,36 @@ optionally noisy, capacity-limited (with batch prioritized routing) or with impo
 
 from __future__ import annotations
 
-from typing import Annotated, Any, ClassVar, Literal, Union
+from typing import Annotated, Any, ClassVar, Literal, Optional, Union
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
-from ..spec.fields import NonNegativeFloat
-from ..spec.registry import Inspection, RouterKind, RouterSpec, register_router_kind
+from ..spec.fields import IntRange, NonNegativeFloat, PositiveFloat
+from ..spec.models import MAX_EXPERTS
+from ..spec.registry import FieldError, RouterSpec, register_router_kind
 from .gates import (
+    TOKENS,
     Gate,
     GateField,
+    RoutingGroup,
     build_gate,
     describe_gate,
     describe_group,
     images_per_group,
-    routed_pairs,
     sparse_moe,
 )
 
 
+@register_router_kind
 class TopKRouterSpec(RouterSpec):
     """Token choice: every routed item picks its `top_k` experts (Shazeer et al. 2017)."""
 
     kind: Literal["topk"] = "topk"
+    top_k: IntRange(1, MAX_EXPERTS) = 1
+    """Experts per item k, 1 <= k <= experts."""
+    capacity_factor: Optional[PositiveFloat] = None
+    """Each expert takes at most ceil(capacity_factor * top_k * T / experts) of T items; null = dropless."""
+    group: RoutingGroup = None
     gate: GateField = Gate()
     normalize: bool = False
     """Renormalize the k selected gate values to sum to 1 (makes an upcycled model exactly dense)."""
@@ -37,52 +45,51 @@ class TopKRouterSpec(RouterSpec):
     them, are not dispatched at all."""
 
     title: ClassVar[str] = "top-k"
-    takes_capacity_factor: ClassVar[bool] = True
+    inspection: ClassVar = TOKENS
 
-    def check_group(self, group: Any) -> None:
-        if self.bpr and group.capacity_factor is None:
-            raise ValueError("router.bpr (batch prioritized routing) needs a capacity_factor; set one, e.g. 1.25, "
-                             "or remove bpr")
+    @model_validator(mode="after")
+    def _settings_fit(self) -> "TopKRouterSpec":
+        if self.bpr and self.capacity_factor is None:
+            raise FieldError("bpr", "bpr (batch prioritized routing) needs a capacity_factor; set one, e.g. 1.25, "
+                                    "or remove bpr")
+        if self.group is not None and self.capacity_factor is None and self.drop_fraction == 0:
+            raise FieldError("group", "group cannot matter here: dropless top-k without drops routes every item on its "
+                                      "own (a capacity_factor or drop_fraction decides within the group); remove it")
+        return self
 
-    def group_cannot_matter(self, group: Any) -> str:
-        if group.capacity_factor is None and self.drop_fraction == 0:
-            return "dropless top-k without drops routes every item on its own (a capacity_factor or drop_fraction " \
-                   "decides within the group)"
-        return ""
+    def check_experts(self, num_experts: int) -> None:
+        if self.top_k > num_experts:
+            raise FieldError("top_k", f"top_k ({self.top_k}) must be between 1 and experts ({num_experts})")
 
+    def build(self, layer: Any, experts: Any, shared: Any) -> Any:
+        from ..layers import TopKRouter  # torch: deferred (routers/__init__)
 
-def build(router: dict, layer: Any, experts, shared):
-    from ..layers import TopKRouter  # torch: deferred (routers/__init__)
+        noise = 1.0 / layer.num_experts if self.noise is True else float(self.noise)
+        module = TopKRouter(build_gate(self.gate, layer.in_features, layer.num_experts), layer.num_experts,
+                            self.top_k, normalize=self.normalize, noise_std=noise,
+                            capacity_factor=self.capacity_factor, bpr=self.bpr, drop_fraction=self.drop_fraction,
+                            group=images_per_group(self.group))
+        return sparse_moe(module, layer, experts, shared)
 
-    noise = 1.0 / layer.experts if router["noise"] is True else float(router["noise"])
-    module = TopKRouter(build_gate(router["gate"], layer.in_features, layer.experts), layer.experts, layer.top_k,
-                        normalize=router["normalize"], noise_std=noise, capacity_factor=layer.capacity_factor,
-                        bpr=router["bpr"], drop_fraction=router["drop_fraction"],
-                        group=images_per_group(router["group"]))
-    return sparse_moe(module, layer, experts, shared)
+    def describe(self, layer: Any) -> str:
+        capacity = self.capacity_factor is not None
+        extras = [("norm", self.normalize), ("noise", bool(self.noise)), ("bpr", self.bpr),
+                  (f"drop={self.drop_fraction:g}", self.drop_fraction > 0),
+                  (f"cf={self.capacity_factor}", capacity),
+                  (describe_group(self.group), capacity or self.drop_fraction > 0)]
+        return " ".join([describe_gate("topk", self.gate)] + [label for label, on in extras if on])
 
+    def picks(self) -> int:
+        return self.top_k
 
-def describe(router: dict, layer: Any) -> str:
-    extras = [("norm", router["normalize"]), ("noise", bool(router["noise"])), ("bpr", router["bpr"]),
-              (f"drop={router['drop_fraction']:g}", router["drop_fraction"] > 0),
-              (f"cf={layer.capacity_factor}", layer.capacity_factor is not None),
-              (describe_group(router), layer.capacity_factor is not None or router["drop_fraction"] > 0)]
-    return " ".join([describe_gate("topk", router)] + [label for label, on in extras if on])
+    def report_name(self) -> str:
+        return f"top-{self.top_k}"
 
-
-def caveats(router: dict, layer: Any) -> list[str]:
-    found = []
-    if not router["normalize"] and layer.top_k < layer.experts:
-        found.append(f"the top-{layer.top_k} gates are not renormalized (normalize: false), so the FFN output is "
-                     f"scaled by the kept gate mass")
-    if layer.capacity_factor is not None or router["drop_fraction"] > 0:
-        found.append("tokens dropped by the capacity factor or importance-score routing get no FFN output")
-    return found
-
-
-TOPK = register_router_kind(RouterKind(
-    spec=TopKRouterSpec, build=build, describe=describe, caveats=caveats,
-    activated=lambda router, layer: (layer.top_k, "per token"),
-    inspect=Inspection(unit="token", name=lambda top_k: f"top-{top_k}",
-                       share_label="share of the class's tokens\nsent to the expert", tally=routed_pairs),
-))
+    def caveats(self, layer: Any) -> list[str]:
+        found = []
+        if not self.normalize and self.top_k < layer.num_experts:
+            found.append(f"the top-{self.top_k} gates are not renormalized (normalize: false), so the FFN output is "
+                         f"scaled by the kept gate mass")
+        if self.capacity_factor is not None or self.drop_fraction > 0:
+            found.append("tokens dropped by the capacity factor or importance-score routing get no FFN output")
+        return found

@@ -15,8 +15,8 @@ from .problems import allowed_keys
 from .registry import (
            ROUTER_KINDS,
            SELECTORS,
+           FieldError,
            Inspection,
-           RouterKind,
            RouterSpec,
            register_router_kind,
            register_selector,
@@ -26,7 +26,7 @@ from .registry import (
 from .schema import SCHEMA_FILE, json_schema, json_schema_text
 
 __all__ = ["DENSE_SUFFIXES", "ROUTER_KINDS", "SCHEMA_FILE", "SELECTORS", "AuxLoss", "Backbone", "BackboneSketch",
-           "Block", "BlockLayout", "FFNShape", "Inspection", "MoEGroup", "RescaleSpec", "Rescalable", "RouterKind",
+           "Block", "BlockLayout", "FieldError", "FFNShape", "Inspection", "MoEGroup", "RescaleSpec", "Rescalable",
            "RouterSpec", "Spec", "SpecModel", "Upcycle", "allowed_keys", "json_schema", "json_schema_text",
            "load_spec", "located", "read_document", "register_router_kind", "register_selector", "spec_files",
            "spec_problem", "unregister_router_kind", "unregister_selector"]

@@ -10,6 +10,7 @@ from typing import Any, Sequence
 from pydantic import ValidationError
 
 from ..errors import MoespecError, Problem, SpecError
+from .compat import MOVED_TO_ROUTER, CannotRewrite, upgraded_text
 from .models import Spec
 from .problems import merge_alternatives, problem, yaml_kind
 from .yaml_limits import MAX_SPEC_BYTES
@@ -117,3 +118,27 @@ def spec_problem(spec: Spec, path: str, message: str) -> Problem:
 def located(spec: Spec, error: SpecError) -> SpecError:
     """`error` with its unlocated problems placed in `spec`'s file (by their field path)."""
     return SpecError([spec_problem(spec, p.path, p.message) if p.file is None else p for p in error.problems])
+
+
+def previous_release_keys(path: str | Path) -> list[str]:
+    """The release 0.1 keys a spec file still writes on its surgery groups (`moe.0.top_k`, ...): what
+    `upgraded_spec_text` moves into the routers (`spec.compat`)."""
+    data, _ = read_document(path)
+    groups = data.get("moe") if isinstance(data.get("moe"), list) else []
+    return [f"moe.{index}.{key}" for index, group in enumerate(groups) if isinstance(group, dict)
+            for key in MOVED_TO_ROUTER if key in group]
+
+
+def upgraded_spec_text(path: str | Path) -> str:
+    """The valid spec file `path` in the new form, its comments and layout kept (`moespec validate --fix`).
+    Checked: it loads to the same Spec as the file."""
+    text, file = read_spec_text(Path(path)), str(path)
+    spec = load_spec(path)
+    try:
+        new_text = upgraded_text(text)
+    except CannotRewrite as error:
+        raise MoespecError(f"{file}: cannot move {', '.join(previous_release_keys(path))} into the router without "
+                           f"losing what the file says ({error}); move them into `router:` by hand") from None
+    if load_spec(path, text=new_text).model_dump() != spec.model_dump():  # a bug, never a user mistake
+        raise RuntimeError(f"{file}: the rewritten spec differs from the file; nothing was written")
+    return new_text

@@ -6,7 +6,7 @@
     moe:
       - where: {every: 2}
         experts: 8
-        top_k: 2
+        router: {kind: topk, top_k: 2}
     upcycle: {router_init: normal, noise: 0.0, split: slice}
 
 The README's "Spec language" section documents every field; the models below are the single source of
@@ -33,15 +33,13 @@ from pydantic import (
 )
 from pydantic.fields import FieldInfo
 
+from .compat import DEFAULT_ROUTER_KIND, MOVED_TO_ROUTER, router_kind_of, upgrade_group
 from .fields import IntRange, NonNegativeFloat, OneOrList, PositiveFloat, SpecModel
 from .registry import ROUTER_KINDS, RouterSpec, on_register
 from .selectors import where_type
 
 DENSE_SUFFIXES = (".safetensors", ".pth", ".pt", ".bin", ".pth.tar")
 """The dense checkpoint files `backbone.checkpoint` may name."""
-
-DEFAULT_ROUTER_KIND = "topk"
-"""A `router:` mapping without `kind` (and a group without `router:`) is a top-k router."""
 
 # Upper bounds of the spec's numbers: generous for every published configuration, small enough that the
 # sizes built from them (experts x hidden x width) never overflow torch's 64-bit sizes.
@@ -103,19 +101,9 @@ class Backbone(SpecModel):
         return kwargs
 
 
-def router_kind_of(value: Any) -> str | None:
-    """The `kind` of a router mapping (default: top-k) or of a router spec model. A kind that is not a string
-    (`kind: {every: 3}`, `kind: 3`) comes back as its text, an unknown kind: a mapping or list cannot be
-    looked up (unhashable) and was a TypeError out of validation."""
-    if not isinstance(value, dict):
-        return getattr(value, "kind", None)
-    kind = value.get("kind", DEFAULT_ROUTER_KIND)
-    return kind if kind is None or isinstance(kind, str) else str(kind)
-
-
 def router_type() -> Any:
     """The type of a `router:` field over the router kinds registered now, chosen by `kind`."""
-    members = tuple(Annotated[kind.spec, Tag(name)] for name, kind in ROUTER_KINDS.items())
+    members = tuple(Annotated[spec, Tag(name)] for name, spec in ROUTER_KINDS.items())
     return Annotated[Union[members], Discriminator(router_kind_of)]  # type: ignore[valid-type]
 
 
@@ -127,7 +115,10 @@ class AuxLoss(SpecModel):
 
 
 class MoEGroup(SpecModel):
-    """One surgery group: the FFN `sublayer` of each block picked by `where` becomes an MoE layer."""
+    """One surgery group: the FFN `sublayer` of each block picked by `where` becomes an MoE layer. How items
+    reach the experts, and every setting of that (`top_k`, `capacity_factor`, ...), is the `router`'s."""
+
+    model_config = {**SpecModel.model_config, "json_schema_extra": lambda schema: _moved_keys_schema(schema)}
 
     where: Any
     """Which blocks: one selector or a list of them (their union)."""
@@ -135,7 +126,6 @@ class MoEGroup(SpecModel):
     experts: IntRange(0, MAX_EXPERTS)
     """Routed experts E. 0 means a plain (dense) MLP of width `expert_hidden`, only in blocks rebuilt by
     `rescale` (Sparse-MLP's "0 = plain MLP")."""
-    top_k: IntRange(1, MAX_EXPERTS) = 1
     expert_hidden: Optional[IntRange(1, MAX_EXPERT_HIDDEN)] = None
     """Hidden width of each expert; default: the dense FFN's hidden width."""
     expert_mlp_ratio: Optional[Annotated[PositiveFloat, Field(le=MAX_WIDTH_FACTOR)]] = None
@@ -143,49 +133,33 @@ class MoEGroup(SpecModel):
     shared_experts: IntRange(0, MAX_EXPERTS) = 0
     """Always-active experts whose output is added to the routed output (ViMoE)."""
     router: Any = None
-    capacity_factor: Optional[PositiveFloat] = None
-    """topk only: each expert takes at most ceil(capacity_factor * top_k * T / experts) of T items;
-    null = dropless."""
     aux_loss: OneOrList(AuxLoss) = [AuxLoss()]
     """One aux loss or a list of them; stored as a list."""
 
-    @field_validator("top_k")
+    @model_validator(mode="before")
     @classmethod
-    def _top_k_at_most_experts(cls, top_k: int, info: ValidationInfo) -> int:
-        experts = info.data.get("experts")
-        if experts and top_k > experts:
-            raise ValueError(f"top_k ({top_k}) must be between 1 and experts ({experts})")
-        return top_k
+    def _previous_release(cls, data: Any) -> Any:
+        """Release 0.1's `top_k` / `capacity_factor` on the group move into the router (`spec.compat`)."""
+        return upgrade_group(data)
 
     @model_validator(mode="before")
     @classmethod
     def _no_default_aux_loss_without_balancing(cls, data: Any) -> Any:
         """A router without load balancing (Soft MoE, Puigcerver et al. 2024) has no default aux loss."""
         if isinstance(data, dict) and "aux_loss" not in data:
-            kind = ROUTER_KINDS.get(router_kind_of(data.get("router") or {}))
-            if kind is not None and not kind.spec.load_balanced:
+            spec = ROUTER_KINDS.get(router_kind_of(data.get("router") or {}))
+            if spec is not None and not spec.load_balanced:
                 data = {**data, "aux_loss": []}
         return data
 
     # Cross-field checks sit on the later of the two fields, so that errors name a field, not the group.
     @field_validator("router")
     @classmethod
-    def _router_takes_top_k(cls, router: RouterSpec, info: ValidationInfo) -> RouterSpec:
-        top_k = info.data.get("top_k", 1)
-        if not router.takes_top_k and top_k != 1:
-            raise ValueError(f"top_k ({top_k}) does not apply to {router.kind} routers; remove top_k"
-                             + (f" and {router.instead} instead" if router.instead else ""))
+    def _router_fits_experts(cls, router: RouterSpec, info: ValidationInfo) -> RouterSpec:
+        experts = info.data.get("experts")
+        if experts:
+            router.check_experts(experts)
         return router
-
-    @field_validator("capacity_factor")
-    @classmethod
-    def _capacity_factor_where_taken(cls, factor: float | None, info: ValidationInfo) -> float | None:
-        router = info.data.get("router")
-        if factor is not None and router is not None and not router.takes_capacity_factor:
-            takers = ", ".join(name for name, kind in ROUTER_KINDS.items() if kind.spec.takes_capacity_factor)
-            raise ValueError(f"capacity_factor applies to {takers} routers only, not {router.kind}; "
-                             + (f"{router.instead} instead" if router.instead else "remove it"))
-        return factor
 
     @field_validator("aux_loss")
     @classmethod
@@ -195,20 +169,20 @@ class MoEGroup(SpecModel):
             raise ValueError(f"{router.title} has no load-balancing loss; remove aux_loss")
         return losses
 
-    @model_validator(mode="after")
-    def _router_checks_group(self) -> "MoEGroup":
-        self.router.check_group(self)
-        reason = self.router.group_cannot_matter(self)
-        if reason and self.router.group is not None:
-            raise ValueError(f"router.group cannot matter here: {reason}; remove it")
-        return self
-
     @field_validator("expert_mlp_ratio")
     @classmethod
     def _one_width(cls, ratio: float | None, info: ValidationInfo) -> float | None:
         if ratio is not None and info.data.get("expert_hidden") is not None:
             raise ValueError("give expert_hidden or expert_mlp_ratio, not both")
         return ratio
+
+
+def _moved_keys_schema(schema: dict) -> None:
+    """Release 0.1's group keys, in the JSON Schema as deprecated: an editor marks them, and moespec still
+    reads them (`spec.compat`)."""
+    for key in MOVED_TO_ROUTER:
+        schema["properties"][key] = {"deprecated": True, "description": f"Moved to router.{key} (release 0.1 "
+                                     f"wrote it here; `moespec validate --fix` moves it)."}
 
 
 class Upcycle(SpecModel):
@@ -297,7 +271,7 @@ def _rebuild() -> None:
     where = where_type()
     _replace_field(MoEGroup, "where", where)
     _replace_field(RescaleSpec, "where", where)
-    default_router = ROUTER_KINDS[DEFAULT_ROUTER_KIND].spec() if DEFAULT_ROUTER_KIND in ROUTER_KINDS else ...
+    default_router = ROUTER_KINDS[DEFAULT_ROUTER_KIND]() if DEFAULT_ROUTER_KIND in ROUTER_KINDS else ...
     _replace_field(MoEGroup, "router", router_type(), default_router)
     for model in (MoEGroup, RescaleSpec, Spec):
         model.model_rebuild(force=True)

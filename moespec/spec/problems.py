@@ -10,8 +10,9 @@ from typing import Annotated, Any, Union, get_args, get_origin
 from pydantic import BaseModel
 
 from ..errors import Problem, did_you_mean, field_path
+from .compat import document_loc
 from .models import Spec
-from .registry import ROUTER_KINDS, SELECTORS
+from .registry import ROUTER_KINDS, SELECTORS, FieldError
 from .yaml_positions import Positions
 
 
@@ -52,7 +53,11 @@ def problem(error: dict, data: Any, positions: Positions, file: str | None) -> P
     """
     path: list[Any] = []
     node = data
-    for part in error["loc"]:
+    loc = error["loc"]
+    cause = (error.get("ctx") or {}).get("error")
+    if isinstance(cause, FieldError):  # a cross-field check about a field inside the validated one
+        loc = (*loc, *cause.field.split("."))
+    for part in document_loc(loc, data):
         if isinstance(node, dict) and part in node:
             node = node[part]
         elif isinstance(node, dict) and str(part) in {str(k) for k in node}:
@@ -60,7 +65,7 @@ def problem(error: dict, data: Any, positions: Positions, file: str | None) -> P
             node, part = node[key], key
         elif isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node):
             node = node[part]
-        elif error["type"] in ("extra_forbidden", "missing") and part == error["loc"][-1]:
+        elif error["type"] in ("extra_forbidden", "missing") and part == loc[-1]:
             pass  # the key itself: unknown, or absent
         else:
             continue
@@ -75,6 +80,9 @@ def _message(error: dict, path: list[Any], data: Any) -> str:
     if kind == "extra_forbidden":
         allowed = _allowed_keys(Spec, path[:-1], _node(data, path[:-1]))
         hint = did_you_mean(path[-1], allowed) if allowed else ""
+        owners = [name for name, spec in ROUTER_KINDS.items() if path[-1] in spec.model_fields]
+        if len(path) >= 2 and path[-2] == "router" and owners and not hint:
+            hint = f"; {path[-1]} is a setting of {', '.join(owners)} routers"
         return f"unknown key {path[-1]!r}; allowed: {', '.join(allowed)}{hint}"
     if kind == "missing":
         return "this field is required"

@@ -72,10 +72,10 @@ def caveats(plan: Plan) -> tuple[str, ...]:
         where = f"moe.{layer.group}"
         lines = [f"{layer.shared_experts} shared expert(s) add another copy of the dense FFN's output"
                  ] if layer.shared_experts else []
-        lines += layer.kind.caveats(layer.router, layer)
+        lines += layer.router.caveats(layer)
         if layer.expert_hidden < layer.dense_hidden:
             lines.append(f"experts keep {layer.expert_hidden} of the dense FFN's {layer.dense_hidden} hidden units")
-        if layer.family == "GlobalResponseNormMlp" and layer.top_k < layer.experts:
+        if layer.family == "GlobalResponseNormMlp" and layer.router.picks() < layer.num_experts:
             lines.append("each GRN expert normalizes over only the positions it receives")
         found.update((f"{where}: {line}", None) for line in lines)
     return tuple(found)
@@ -130,14 +130,14 @@ def upcycle_layer(moe: nn.Module, layer: LayerPlan, ffn_state: dict[str, torch.T
             spec, f"moe.{layer.group}.{width}",
             f"{layer.path}: experts of {hidden} hidden units cannot be upcycled from a dense FFN of "
             f"{layer.dense_hidden}; use an expert width <= {layer.dense_hidden}"))
-    if options.split == "partition" and hidden * layer.experts > layer.dense_hidden:
+    if options.split == "partition" and hidden * layer.num_experts > layer.dense_hidden:
         raise SpecError(spec_problem(
             spec, "upcycle.split",
             f"{layer.path}: split: partition needs experts x expert_hidden <= {layer.dense_hidden} "
-            f"(got {layer.experts} x {hidden}); use split: slice or narrower experts"))
+            f"(got {layer.num_experts} x {hidden}); use split: slice or narrower experts"))
     adapter = adapter_named(layer.family)
     leading = torch.arange(hidden)
-    units = [leading + (i * hidden if options.split == "partition" else 0) for i in range(layer.experts)]
+    units = [leading + (i * hidden if options.split == "partition" else 0) for i in range(layer.num_experts)]
     _fill(moe.experts, [lambda u=u: adapter.expert_state(ffn_state, u) for u in units], options.noise, generator)
     if moe.shared is not None:
         shared = [lambda: adapter.expert_state(ffn_state, leading)] * layer.shared_experts

@@ -116,20 +116,26 @@ def tiny_spec(tmp_path_factory):
 
 def test_sweep_counts_every_point_and_reports_the_invalid_ones(tiny_spec):
     progress = []
-    settings = [parse_setting("moe.0.experts=2,4"), parse_setting("moe.0.top_k=1,3")]
+    settings = [parse_setting("moe.0.experts=2,4"), parse_setting("moe.0.router.top_k=1,3")]
     points = sweep(tiny_spec, settings, on_point=lambda item, done, total: progress.append((done, total)))
     assert [p.settings for p in points] == grid(settings)
     assert progress == [(0, 4), (1, 4), (2, 4), (3, 4), (4, 4)]
     invalid = [p for p in points if p.stats is None]
-    assert [p.label for p in invalid] == ["moe.0.experts=2, moe.0.top_k=3"]
-    assert invalid[0].problems == ("moe.0.top_k: top_k (3) must be between 1 and experts (2)",)
-    valid = {(p.settings["moe.0.experts"], p.settings["moe.0.top_k"]): p.stats for p in points if p.stats}
+    assert [p.label for p in invalid] == ["moe.0.experts=2, moe.0.router.top_k=3"]
+    assert invalid[0].problems == ("moe.0.router.top_k: top_k (3) must be between 1 and experts (2)",)
+    valid = {(p.settings["moe.0.experts"], p.settings["moe.0.router.top_k"]): p.stats for p in points if p.stats}
     assert {key: s.experts_total for key, s in valid.items()} == {(2, 1): 4, (4, 1): 8, (4, 3): 8}
     assert all(s.name == "tiny" and s.dense_params == valid[2, 1].dense_params for s in valid.values())
     # top_k 1 -> 3 adds two experts' worth of activated parameters per layer, and no total parameters
     assert valid[4, 3].total_params == valid[4, 1].total_params
     assert valid[4, 3].activated_params > valid[4, 1].activated_params
     assert valid[2, 1].total_params < valid[4, 1].total_params
+
+
+def test_a_router_setting_on_the_group_says_where_it_lives_now(tiny_spec):
+    with pytest.raises(MoespecError, match=r"unknown key 'top_k' in moe\.0; .*; top_k is a router setting: "
+                                           r"moe\.0\.router\.top_k"):
+        sweep(tiny_spec, [parse_setting("moe.0.top_k=1,2")])
 
 
 def test_render_adds_the_swept_values_as_columns(tiny_spec):

@@ -42,7 +42,7 @@ def _reference(moe: MoE, x: torch.Tensor) -> torch.Tensor:
     probs = moe.router.gate(items).softmax(-1)
     out = torch.zeros_like(items)
     for t in range(items.shape[0]):
-        values, chosen = probs[t].topk(moe.top_k)
+        values, chosen = probs[t].topk(moe.router.top_k)
         if moe.router.normalize:
             values = values / values.sum()
         for value, e in zip(values, chosen, strict=True):

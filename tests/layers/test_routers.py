@@ -72,7 +72,7 @@ def test_importance_score_routing_drops_exactly_the_fraction_with_lowest_top1():
     top1 = x[:, :3].softmax(-1).max(-1).values
     lowest = set(top1.argsort()[:2].tolist())  # floor(0.1 * 20) = 2 rows
     assert set((~routing.kept).nonzero().squeeze(1).tolist()) == lowest
-    assert routing.counts.sum().item() == 18 and router.routed_rows(20, 1) == 18
+    assert routing.counts.sum().item() == 18 and router.dispatched(20) == 18 and router.experts_per_item(20, 1) == 1
 
 
 def test_image_routing_sends_every_token_of_an_image_to_the_same_experts():

@@ -1,9 +1,11 @@
-"""The plan: a Spec plus its dense model give a frozen Plan of plain numbers (moespec.planning)."""
+"""The plan: a Spec plus its dense model give a frozen Plan of plain numbers and the typed router specs
+(moespec.planning)."""
 
 from __future__ import annotations
 
 import dataclasses
 
+import pydantic
 import pytest
 from pydantic import BaseModel
 
@@ -11,6 +13,9 @@ import moespec
 from moespec.backbones import create_backbone
 from moespec.errors import SpecError
 from moespec.planning import LayerPlan, Plan, plan_for
+from moespec.routers import Gate
+from moespec.routers.expert_choice import ExpertChoiceRouterSpec
+from moespec.routers.image import ImageRouterSpec
 
 from ..conftest import TINY_CONVNEXT, TINY_INPUT, TINY_VIT, make_spec
 
@@ -34,30 +39,44 @@ def _pydantic_objects(value, where="plan") -> list[str]:
 
 def test_layer_widths_experts_and_router_come_from_the_group_and_the_model():
     spec = make_spec(TINY_VIT, [
-        {"where": {"blocks": [0]}, "experts": 4, "top_k": 2, "expert_hidden": 256, "shared_experts": 1,
-         "router": {"kind": "topk", "normalize": True, "gate": "cosine"}, "capacity_factor": 1.5},
+        {"where": {"blocks": [0]}, "experts": 4, "expert_hidden": 256, "shared_experts": 1,
+         "router": {"kind": "topk", "top_k": 2, "capacity_factor": 1.5, "normalize": True, "gate": "cosine"}},
         {"where": {"blocks": [1]}, "experts": 8, "expert_mlp_ratio": 2.0, "router": {"kind": "expert_choice"}},
     ])
     first, second = moespec.plan(spec).layers
     assert (first.path, first.block, first.group, first.family) == ("blocks.0.mlp", 0, 0, "Mlp")
     assert (first.in_features, first.dense_hidden, first.expert_hidden, first.out_features) == (
         VIT_DIM, VIT_HIDDEN, 256, VIT_DIM)
-    assert (first.experts, first.top_k, first.shared_experts, first.capacity_factor) == (4, 2, 1, 1.5)
-    assert first.router["kind"] == "topk" and first.router["normalize"] is True
-    assert first.router["gate"] == {"kind": "cosine", "dim": None, "temperature": None}
+    assert (first.num_experts, first.shared_experts) == (4, 1)
+    assert first.router is spec.moe[0].router  # the typed router spec travels unchanged
+    assert (first.router.top_k, first.router.capacity_factor, first.router.normalize) == (2, 1.5, True)
+    assert first.router.gate == Gate(kind="cosine")
     assert first.channels_dim == -1
     assert second.expert_hidden == 2 * VIT_DIM  # expert_mlp_ratio 2 of the input width 384
-    assert second.router == {"kind": "expert_choice", "group": None,
-                             "gate": {"kind": "linear", "dim": None, "temperature": None}, "capacity": 1.0}
+    assert second.router == ExpertChoiceRouterSpec(kind="expert_choice", capacity=1.0)
 
 
-def test_the_plan_holds_no_pydantic_objects_and_is_frozen():
-    plan = moespec.plan(make_spec(TINY_VIT, [{"where": {"every": 1}, "experts": 2, "router": {"kind": "image"}}]))
-    assert _pydantic_objects(plan) == []
+def test_a_previous_release_group_plans_as_its_new_form():
+    """Release 0.1 wrote top_k and capacity_factor on the group (`spec.compat`): the same plan."""
+    old = make_spec(TINY_VIT, [{"where": {"blocks": [0]}, "experts": 4, "top_k": 2, "capacity_factor": 1.5,
+                                "router": {"kind": "topk", "normalize": True}}])
+    new = make_spec(TINY_VIT, [{"where": {"blocks": [0]}, "experts": 4,
+                                "router": {"kind": "topk", "normalize": True, "top_k": 2, "capacity_factor": 1.5}}])
+    assert old == new
+    assert str(moespec.plan(old)) == str(moespec.plan(new))
+
+
+def test_the_plan_holds_plain_data_and_the_frozen_router_specs():
+    spec = make_spec(TINY_VIT, [{"where": {"every": 1}, "experts": 2, "router": {"kind": "image"}}])
+    plan = moespec.plan(spec)
+    assert _pydantic_objects(plan) == ["plan.layers[0].router", "plan.layers[1].router"]
+    assert all(isinstance(layer.router, ImageRouterSpec) for layer in plan.layers)
     with pytest.raises(dataclasses.FrozenInstanceError):
         plan.name = "other"
     with pytest.raises(dataclasses.FrozenInstanceError):
-        plan.layers[0].experts = 3
+        plan.layers[0].num_experts = 3
+    with pytest.raises(pydantic.ValidationError, match="frozen"):
+        plan.layers[0].router.top_k = 2
     assert isinstance(plan, Plan) and all(isinstance(layer, LayerPlan) for layer in plan.layers)
 
 
@@ -75,8 +94,8 @@ def test_soft_moe_has_no_aux_loss_and_image_routing_resolves_its_pool_from_the_m
     vit = moespec.plan(make_spec(TINY_VIT, [{"where": {"last": 1}, "experts": 2, "router": {"kind": "image"}}]))
     convnext = moespec.plan(make_spec(TINY_CONVNEXT, [{"where": {"last": 1}, "experts": 2,
                                                        "router": {"kind": "image"}}]))
-    assert vit.layers[0].router["pool"] == "cls"  # timm's ViT has a [CLS] token
-    assert convnext.layers[0].router["pool"] == "mean"  # ConvNeXt has none
+    assert vit.layers[0].router.pool == "cls"  # timm's ViT has a [CLS] token
+    assert convnext.layers[0].router.pool == "mean"  # ConvNeXt has none
     assert convnext.layers[0].channels_dim == -1  # ConvNeXt-T's block MLP runs channels-last
 
 
@@ -103,8 +122,8 @@ def test_rescale_plans_the_rebuilt_shape_of_a_mixer_block():
 
 
 def test_rows_summary_and_text():
-    plan = moespec.plan(make_spec(TINY_VIT, [{"where": {"last": 1}, "experts": 4, "top_k": 2,
-                                              "router": {"kind": "topk", "normalize": True}}]))
+    plan = moespec.plan(make_spec(TINY_VIT, [{"where": {"last": 1}, "experts": 4,
+                                              "router": {"kind": "topk", "top_k": 2, "normalize": True}}]))
     assert plan.rows() == [("blocks.1.mlp", "Mlp", "384", "1536", "1536", "4", "2", "0", "topk/linear norm")]
     assert plan.summary().startswith("test: vit_small_patch16_224, input [3, 64, 64], 2 blocks (blocks.0 .. blocks.1)")
     assert str(plan).splitlines()[1].split() == list(" ".join(Plan.COLUMNS).split())

@@ -4,6 +4,7 @@ one registration, and every stage serves it without knowing its name."""
 from __future__ import annotations
 
 import importlib
+from pathlib import Path
 
 import pytest
 import torch
@@ -24,7 +25,7 @@ PATCHES = (64 // 16) ** 2 + 1  # 16 patches and the [CLS] token of the tiny ViT
 def hash_kind():
     """The hash router registered for one test, and gone after it (the built-in language has no `hash`)."""
     module = importlib.import_module("moespec.routers.hash")  # importing it registers it
-    register_router_kind(module.HASH)
+    register_router_kind(module.HashRouterSpec)
     yield module
     unregister_router_kind("hash")
 
@@ -40,16 +41,18 @@ def test_registered_it_validates_with_its_own_options_and_joins_the_schema(hash_
     with pytest.raises(SpecError) as error:
         make_spec(TINY_VIT, [{**HASH_GROUP, "router": {"kind": "hash", "sed": 1}}])
     assert [(p.path, p.message) for p in error.value.problems] == [
-        ("moe.0.router.sed", "unknown key 'sed'; allowed: kind, group, seed; did you mean 'seed'?")]
+        ("moe.0.router.sed", "unknown key 'sed'; allowed: kind, seed; did you mean 'seed'?")]
     with pytest.raises(SpecError, match="top_k \\(2\\) does not apply to hash routers"):
-        make_spec(TINY_VIT, [{**HASH_GROUP, "top_k": 2}])
+        make_spec(TINY_VIT, [{**HASH_GROUP, "top_k": 2}])  # release 0.1's form: top_k on the group
+    with pytest.raises(SpecError, match="unknown key 'top_k'; allowed: kind, seed; top_k is a setting of topk, image"):
+        make_spec(TINY_VIT, [{**HASH_GROUP, "router": {"kind": "hash", "top_k": 2}}])
     schema = json_schema()
     assert "HashRouter" in schema["$defs"]
     assert {"$ref": "#/$defs/HashRouter"} in schema["$defs"]["MoEGroup"]["properties"]["router"]["oneOf"]
 
 
 def test_each_position_has_one_fixed_expert_balanced_over_the_experts(hash_kind):
-    router = hash_kind.HashRouter(experts=4, seed=3)
+    router = hash_kind.HashRouter(num_experts=4, seed=3)
     routing = router(torch.randn(3 * PATCHES, 8), images=3)
     expert_of_item = torch.empty(3 * PATCHES, dtype=torch.long)
     expert_of_item[routing.item] = torch.arange(4).repeat_interleave(routing.counts)
@@ -59,14 +62,14 @@ def test_each_position_has_one_fixed_expert_balanced_over_the_experts(hash_kind)
     assert sorted(torch.bincount(per_image[0], minlength=4).tolist()) == [4, 4, 4, 5]  # 17 positions, 4 experts
     assert torch.equal(routing.weights, torch.ones(3 * PATCHES)) and bool(routing.kept.all())
     assert not torch.equal(router.table(PATCHES, torch.device("cpu")),
-                           hash_kind.HashRouter(experts=4, seed=4).table(PATCHES, torch.device("cpu")))
+                           hash_kind.HashRouter(num_experts=4, seed=4).table(PATCHES, torch.device("cpu")))
 
 
 def test_plan_build_and_train_on_tokens_and_feature_maps(hash_kind):
     pooled_vit = {**TINY_VIT, "kwargs": {**TINY_VIT["kwargs"], "global_pool": "avg"}}  # every token reaches the loss
     for backbone in (pooled_vit, TINY_CONVNEXT):
         spec = make_spec(backbone, [HASH_GROUP])
-        assert {layer.router_name for layer in moespec.plan(spec).layers} == {"hash seed=3"}
+        assert {layer.router.describe(layer) for layer in moespec.plan(spec).layers} == {"hash seed=3"}
         model = moespec.create_model(spec, seed=0).train()
         loss = model(torch.randn(2, *TINY_INPUT)).square().mean() + moespec.aux_loss(model)
         loss.backward()
@@ -97,7 +100,7 @@ def test_inspect_counts_every_token_once(hash_kind):
     with torch.no_grad():
         model(torch.randn(2, *TINY_INPUT))
     for layer in moe_layers(model).values():
-        mass, dropped = hash_kind.HASH.inspect.tally(layer)
+        mass, dropped = hash_kind.HashRouterSpec.inspection.tally(layer)
         assert mass.shape == (2, 4) and dropped == 0.0
         assert mass.sum(dim=1).tolist() == [PATCHES, PATCHES]  # a share row sums to 1
 
@@ -111,8 +114,19 @@ def test_the_seed_is_bounded_by_what_torch_takes(hash_kind):
 
 @pytest.mark.parametrize("images, tokens", [(0, 5), (3, 1)], ids=["empty_batch", "one_token"])
 def test_an_empty_batch_and_one_token_route_as_the_dense_ffn_runs(hash_kind, images, tokens):
-    layer = moespec.layers.MoE(hash_kind.HashRouter(experts=3), moespec.layers.Experts(3, 4, 6, 4, act=torch.nn.GELU()))
+    bank = moespec.layers.Experts(3, 4, 6, 4, act=torch.nn.GELU())
+    layer = moespec.layers.MoE(hash_kind.HashRouter(num_experts=3), bank)
     x = torch.randn(images, tokens, 4, requires_grad=True)
     y = layer(x)
     y.sum().backward()
     assert y.shape == x.shape and x.grad.shape == x.shape
+
+
+def test_the_readme_worked_example_is_the_file():
+    """README's "Worked example" is `moespec/routers/hash.py` after its docstring, as it is."""
+    root = Path(__file__).parents[2]
+    readme = (root / "README.md").read_text(encoding="utf-8")
+    section = readme[readme.index("**Worked example: a hash router.**"):]
+    block = section[section.index("```python\n") + len("```python\n"):section.index("```\n", 10)]
+    code = (root / "moespec" / "routers" / "hash.py").read_text(encoding="utf-8")
+    assert block == code[code.index("from __future__"):]

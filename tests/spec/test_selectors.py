@@ -100,7 +100,7 @@ def test_vit_layer_plans_record_group_and_block(tmp_path):
 def test_example_spec_plans_every_second_block():
     plan = moespec.plan(load_spec(EXAMPLE))
     assert [layer.path for layer in plan.layers] == [f"blocks.{i}.mlp" for i in (1, 3, 5, 7, 9, 11)]
-    assert {(layer.experts, layer.top_k, layer.shared_experts) for layer in plan.layers} == {(8, 2, 0)}
+    assert {(layer.num_experts, layer.router.top_k, layer.shared_experts) for layer in plan.layers} == {(8, 2, 0)}
     assert plan.input_size == (3, 224, 224)
 
 
@@ -115,7 +115,7 @@ moe:
     top_k: 2
 """
     layers = plan_of(tmp_path, text).layers
-    assert [(layer.path, layer.group, layer.experts, layer.top_k) for layer in layers] == [
+    assert [(layer.path, layer.group, layer.num_experts, layer.router.top_k) for layer in layers] == [
         ("blocks.0.mlp", 1, 2, 2),
         ("blocks.11.mlp", 0, 4, 1),
     ]

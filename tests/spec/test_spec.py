@@ -20,8 +20,7 @@ from ..conftest import line_of, write
 DATA = Path(__file__).parent.parent / "data"
 EXAMPLE = DATA / "example_spec.yaml"
 
-GROUP_KEYS = ("where, sublayer, experts, top_k, expert_hidden, expert_mlp_ratio, shared_experts, router, "
-              "capacity_factor, aux_loss")
+GROUP_KEYS = "where, sublayer, experts, expert_hidden, expert_mlp_ratio, shared_experts, router, aux_loss"
 
 
 def column_of(text: str, needle: str) -> int:
@@ -58,10 +57,11 @@ def test_example_spec_from_the_issue_validates_with_defaults():
     group = spec.moe[0]
     assert group.where == [Every(every=2)]  # one selector is stored as a list of one
     assert group.sublayer == "mlp"
-    assert (group.experts, group.top_k, group.shared_experts) == (8, 2, 0)
+    assert (group.experts, group.router.top_k, group.shared_experts) == (8, 2, 0)
     assert group.expert_hidden is None and group.expert_mlp_ratio is None
-    assert group.router == TopKRouter(kind="topk", gate=Gate(kind="linear"), normalize=False)
-    assert group.capacity_factor is None
+    # the file is in release 0.1's form (top_k and capacity_factor on the group): they moved into the router
+    assert group.router == TopKRouter(kind="topk", top_k=2, capacity_factor=None, gate=Gate(kind="linear"),
+                                      normalize=False)
     assert group.aux_loss == [AuxLoss(kind="importance_load", weight=0.01)]
     assert spec.upcycle == Upcycle(router_init="normal", noise=0.0, split="slice")
 
@@ -78,12 +78,12 @@ def test_minimal_spec_gets_every_default(tmp_path):
     group, = spec.moe
     assert group.where == [Every(every=2)]  # one selector is stored as a list of one
     assert group.experts == 8
-    assert group.top_k == 1
+    assert group.router.top_k == 1
     assert group.sublayer == "mlp"
     assert group.router.kind == "topk"
     assert group.router.gate == Gate(kind="linear", dim=None, temperature=None)
     assert group.router.normalize is False
-    assert group.capacity_factor is None
+    assert group.router.capacity_factor is None
     assert group.shared_experts == 0
     assert group.expert_hidden is None
     assert group.expert_mlp_ratio is None
@@ -256,8 +256,8 @@ moe:
     assert (problem.file, problem.line, problem.path) == (str(path), line_of(text, "normalise"),
                                                           "moe.0.router.normalise")
     assert problem.column == column_of(text, "normalise")
-    assert problem.message == ("unknown key 'normalise'; allowed: kind, group, gate, normalize, noise, bpr, "
-                               "drop_fraction; did you mean 'normalize'?")
+    assert problem.message == ("unknown key 'normalise'; allowed: kind, top_k, capacity_factor, group, gate, "
+                               "normalize, noise, bpr, drop_fraction; did you mean 'normalize'?")
 
 
 def test_unknown_router_kind_names_the_kinds_without_internals(tmp_path):

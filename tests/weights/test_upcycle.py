@@ -153,7 +153,7 @@ def test_image_routing_upcycle_reproduces_dense_logits(experts, top_k, dense_che
     spec = make_spec(TINY_VIT, [{"where": {"every": 1}, "experts": experts, "top_k": top_k,
                                  "router": {"kind": "image", "normalize": True}}])
     model, report = upcycle_with_report(spec, path)
-    assert moespec.plan(spec).layers[0].pool == "cls"  # ViT has a [CLS] token
+    assert moespec.plan(spec).layers[0].router.pool == "cls"  # ViT has a [CLS] token
     x = torch.randn(3, *TINY_INPUT)
     with torch.no_grad():
         assert (model(x) - dense(x)).abs().max().item() <= 1e-5

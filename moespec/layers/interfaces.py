@@ -1,0 +1,96 @@
+"""The two interfaces every later stage leans on, declared in one place.
+
+    Router    items [T, C] -> Routing           topk, image, expert choice (routers.py), hash (routers/hash.py)
+    MoELayer  x -> y where a dense FFN was      MoE (moe.py, around a Router), SoftMoE (soft.py)
+
+The compiler swaps in `MoELayer`s; the counters, `aux_loss`, upcycling, expert parallelism and `inspect` use
+nothing but what these classes declare. A new router kind subclasses `Router` (and is wrapped in `MoE`); a layer
+with its own dispatch subclasses `MoELayer`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .experts import Experts
+from .routing import Routing
+
+
+class Router(nn.Module):
+    """Decides which expert each item goes to, with which weight. Subclasses set `num_experts` and override
+    `forward`, `gate_macs` and `experts_per_item`; the others have the defaults of a router that dispatches
+    every item and keeps every pair."""
+
+    num_experts: int
+
+    def forward(self, x: torch.Tensor, images: int = 1) -> Routing:
+        """x: [T, C] items, image after image (T / images each) -> their (item, expert) pairs, grouped by expert."""
+        raise NotImplementedError
+
+    def gate_macs(self, items: int, images: int) -> int:
+        """MACs of the routing decision for `items` items in `images` images."""
+        raise NotImplementedError
+
+    def experts_per_item(self, items: int, images: int) -> float:
+        """Routed experts one item uses, on average, in a forward of `items` items in `images` images under
+        perfect balance and before any drop: k for top-k, E·C/T for expert choice. It is the one rule behind
+        both counts: the activated parameters (this many routed experts per item) and the activated MACs (this
+        many expert rows per dispatched item)."""
+        raise NotImplementedError
+
+    def dispatched(self, items: int) -> int:
+        """Items of `items` that reach any expert at all (importance-score routing keeps some out)."""
+        return items
+
+    def capacity_rows(self, items: int) -> int | float | None:
+        """Expert rows per `items` (one image's) with every expert at its full capacity; None when dropless."""
+        return None
+
+
+class MoELayer(nn.Module):
+    """What replaces a dense FFN call site. Subclasses build `experts` (the routed `Experts` bank), `shared`
+    (always-active experts, or None) and `channels_dim` (-1: [..., C] inputs; 1: [B, C, H, W]), keep
+    `aux_losses` (aux-loss kind -> value of the last forward) and `last_items` / `last_images` (the size of the
+    last forward), and override the methods that raise here."""
+
+    experts: Experts
+    shared: Experts | None
+    channels_dim: int
+    aux_losses: dict[str, torch.Tensor]
+    last_items: int
+    last_images: int
+
+    @property
+    def num_experts(self) -> int:
+        return self.experts.num_experts
+
+    def experts_per_item(self, items: int, images: int) -> float:
+        """Routed experts one item uses (see `Router.experts_per_item`): the activated parameters count this
+        many of the bank's experts per item."""
+        raise NotImplementedError
+
+    def activated_macs(self, items: int, images: int) -> int:
+        """MACs of a forward of `items` items in `images` images, under perfect balance and no drops."""
+        raise NotImplementedError
+
+    def executed_macs(self, items: int, images: int) -> int | None:
+        """MACs with every expert padded to its capacity (None for a layer without one)."""
+        return None
+
+    def router_weights(self) -> list[nn.Parameter]:
+        """The weights that decide the routing, which upcycling initializes afresh."""
+        raise NotImplementedError
+
+    def routing_stats(self) -> dict[str, object] | None:
+        """Items per expert, the share of items no expert took and the mean top-1 gate of the last forward
+        (None before the first)."""
+        raise NotImplementedError
+
+    def weighted_aux_loss(self) -> torch.Tensor | None:
+        """Sum of weight * aux loss of the last forward (None without one)."""
+        return None
+
+    def shared_macs(self) -> int:
+        """MACs of the shared experts on one item."""
+        return self.shared.num_experts * self.shared.macs_per_item() if self.shared is not None else 0
