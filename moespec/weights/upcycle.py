@@ -26,6 +26,7 @@ from ..errors import SpecError
 from ..planning import LayerPlan, Plan
 from ..spec import Spec, spec_problem
 from .dense import dense_model
+from .mapping import dense_to_moe
 
 
 @dataclass(frozen=True)
@@ -107,17 +108,14 @@ def upcycle_into(model: nn.Module, spec: Spec, plan: Plan, dense: dict[str, torc
                  generator: torch.Generator) -> None:
     """Copy `dense` into the compiled `model` in place: non-FFN weights as they are, FFNs into experts.
     Blocks rebuilt at a rescaled shape keep their fresh init: no dense weight has their shape."""
+    plain, ffns = dense_to_moe(plan, dense)
     layers = moe_layers(model)
-    skip = tuple(f"{path}." for path in layers) + tuple(f"{r.block}." for r in plan.rescales)
     with torch.no_grad():
         for name, tensor in model.state_dict(keep_vars=True).items():
-            if not name.startswith(skip) and name in dense:
-                tensor.copy_(dense[name])
-        for layer in plan.layers:
-            if plan.rebuilt(layer.path) is not None:
-                continue
-            ffn_state = {k[len(layer.path) + 1:]: v for k, v in dense.items() if k.startswith(layer.path + ".")}
-            upcycle_layer(layers[layer.path], layer, ffn_state, spec, generator)
+            if name in plain:
+                tensor.copy_(plain[name])
+        for path, ffn_state in ffns.items():
+            upcycle_layer(layers[path], plan.layer(path), ffn_state, spec, generator)
 
 
 def upcycle_layer(moe: nn.Module, layer: LayerPlan, ffn_state: dict[str, torch.Tensor], spec: Spec,
