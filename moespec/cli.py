@@ -139,7 +139,7 @@ def compile_command(
     """Build the MoE model with random weights and save it (spec embedded)."""
 
     def body() -> None:
-        from .compiler import create_model
+        from .compiler import create_model, moe_layers
         from .io import check_output, checkpoint_files, index_file, parse_size
         from .weights import check_seed, save
 
@@ -149,7 +149,7 @@ def compile_command(
         model = create_model(load_spec(spec), seed=seed)
         save(model, output, force=force, max_shard_size=limit)
         _, files = checkpoint_files(output)
-        layers = f"{len(model.moespec_plan.layers)} MoE layers"
+        layers = f"{len(moe_layers(model))} MoE layers"
         if len(files) > 1:
             out.print(f"wrote {index_file(output)} ({layers}; {len(files)} shards and an index)", markup=False)
         else:

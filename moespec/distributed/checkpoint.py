@@ -29,6 +29,7 @@ from ..compiler import create_model, materialize, moe_layers
 from ..errors import MoespecError
 from ..io import check_castable, checkpoint_files, safetensors_shapes
 from ..layers.expert_parallel import sharded_banks
+from ..planning import plan_for
 from ..spec import Spec
 from ..weights import check_state_dict, read_spec
 from ..weights.dense import dense_model
@@ -74,8 +75,8 @@ def upcycle(spec: Spec, checkpoint: str | Path | None = None, *, seed: int = 0,
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)  # a dense model without weights gets the same fresh init as one process's
         dense, _ = dense_model(spec, checkpoint, trust_pickle=trust_pickle)
+    plan = plan_for(spec, dense)  # the plan `create_model` builds: the dense model is the spec's backbone
     model = create_model(spec, moe_device="meta")
-    plan = model.moespec_plan
     if plan.rescales:
         raise MoespecError(f"{plan.name}: moespec.distributed.upcycle does not rebuild rescaled blocks (their fresh "
                            f"init is drawn for the whole model); upcycle with one process (`moespec upcycle`) and "

@@ -23,7 +23,7 @@ from torch import nn
 from ..backbones import adapter_named
 from ..compiler import create_model, moe_layers
 from ..errors import SpecError
-from ..planning import LayerPlan, Plan
+from ..planning import LayerPlan, Plan, plan_for
 from ..spec import Spec, spec_problem
 from .dense import dense_model
 from .mapping import dense_to_moe
@@ -96,12 +96,13 @@ def upcycle_with_report(spec: Spec, checkpoint: str | Path | None = None, *, see
         torch.manual_seed(seed)  # a dense model without weights gets a reproducible fresh init
         dense, source = dense_model(spec, checkpoint, trust_pickle=trust_pickle)
     generator = torch.Generator().manual_seed(seed)
+    plan = plan_for(spec, dense)  # the plan `create_model` builds: the dense model is the spec's backbone
     model = create_model(spec)
-    upcycle_into(model, spec, model.moespec_plan, dense.state_dict(), generator)
+    upcycle_into(model, spec, plan, dense.state_dict(), generator)
     if not check:
         return model, None
-    report = compare(dense, model, model.moespec_plan.input_size, source, generator)
-    return model.train(), dataclasses.replace(report, caveats=caveats(model.moespec_plan))
+    report = compare(dense, model, plan.input_size, source, generator)
+    return model.train(), dataclasses.replace(report, caveats=caveats(plan))
 
 
 def upcycle_into(model: nn.Module, spec: Spec, plan: Plan, dense: dict[str, torch.Tensor],
