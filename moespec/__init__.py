@@ -23,13 +23,14 @@ from .spec import Spec, load_spec
 # names through the TYPE_CHECKING imports.
 if TYPE_CHECKING:
     from .apps.timm_registry import register_timm
-    from .compiler import create_model, moe_layers
+    from .compiler import create_model, moe_layers, plan_of
     from .counting import stats
     from .layers.moe import aux_loss, follow_grad_scaler
     from .weights import load, save, upcycle, upcycle_to_checkpoint
 
 _LAZY = {
-    "register_timm": "apps.timm_registry", "create_model": "compiler", "moe_layers": "compiler", "stats": "counting",
+    "register_timm": "apps.timm_registry", "create_model": "compiler", "moe_layers": "compiler", "plan_of": "compiler",
+    "stats": "counting",
     "aux_loss": "layers.moe", "follow_grad_scaler": "layers.moe", "load": "weights", "save": "weights",
     "upcycle": "weights", "upcycle_to_checkpoint": "weights",
 }
@@ -37,7 +38,8 @@ _LAZY = {
 
 __all__ = [
     "CheckpointError", "MoespecError", "Plan", "Spec", "SpecError", "aux_loss", "create_model", "follow_grad_scaler",
-    "load", "load_spec", "moe_layers", "plan", "register_timm", "save", "stats", "upcycle", "upcycle_to_checkpoint",
+    "load", "load_spec", "moe_layers", "plan", "plan_of", "register_timm", "save", "stats", "upcycle",
+    "upcycle_to_checkpoint",
 ]
 
 

@@ -141,20 +141,26 @@ def plan_command(spec: Path = typer.Argument(..., help="Spec file."),
     _run(body)
 
 
+# The options of the commands that write a model checkpoint (`compile`, `upcycle`).
+OutputFile = Annotated[Path, typer.Option(
+    "-o", "--output", help="Output .safetensors file; beyond --max-shard-size, shards and an index next to it.")]
+MaxShardSize = Annotated[str, typer.Option(
+    "--max-shard-size", help="Largest file to write, e.g. 2GB, 500MB, 1GiB.")]
+Overwrite = Annotated[bool, typer.Option("--force", help="Overwrite an existing output.")]
+
+
 @app.command("compile")
 def compile_command(
-    spec: Path = typer.Argument(..., help="Spec file."),
-    output: Path = typer.Option(
-        ..., "-o", "--output",
-        help="Output .safetensors file; beyond --max-shard-size, shards and an index next to it."),
-    max_shard_size: str = typer.Option("2GB", "--max-shard-size", help="Largest file to write, e.g. 2GB, 500MB, 1GiB."),
-    force: bool = typer.Option(False, "--force", help="Overwrite an existing output."),
-    seed: int = typer.Option(0, help="Seed for the random initialization."),
+    spec: Annotated[Path, typer.Argument(help="Spec file.")],
+    output: OutputFile,
+    max_shard_size: MaxShardSize = "2GB",
+    force: Overwrite = False,
+    seed: Annotated[int, typer.Option(help="Seed for the random initialization.")] = 0,
 ) -> None:
     """Build the MoE model with random weights and save it (spec embedded)."""
 
     def body() -> None:
-        from .compiler import create_model
+        from .compiler import create_model, moe_layers
         from .io import check_output, checkpoint_files, index_file, parse_size
         from .weights import check_seed, save
 
@@ -164,7 +170,7 @@ def compile_command(
         model = create_model(load_spec(spec), seed=seed)
         save(model, output, force=force, max_shard_size=limit)
         _, files = checkpoint_files(output)
-        layers = f"{len(model.moespec_plan.layers)} MoE layers"
+        layers = f"{len(moe_layers(model))} MoE layers"
         if len(files) > 1:
             out.print(f"wrote {index_file(output)} ({layers}; {len(files)} shards and an index)", markup=False)
         else:
@@ -191,19 +197,17 @@ def progress(description: str):
 
 @app.command("upcycle")
 def upcycle_command(
-    spec: Path = typer.Argument(..., help="Spec file."),
-    output: Path = typer.Option(
-        ..., "-o", "--output",
-        help="Output .safetensors file; beyond --max-shard-size, shards and an index next to it."),
-    checkpoint: Optional[Path] = typer.Option(
-        None, "--checkpoint", "-c", help="Dense checkpoint (.safetensors/.pth/.bin); default: the spec's backbone."),
-    dtype: DType = typer.Option(DType.fp32, "--dtype", help="Precision of the written weights."),
-    max_shard_size: str = typer.Option("2GB", "--max-shard-size", help="Largest file to write, e.g. 2GB, 500MB, 1GiB."),
-    force: bool = typer.Option(False, "--force", help="Overwrite an existing output."),
-    check: bool = typer.Option(True, "--check/--no-check", help="Compare the result with the dense model."),
-    seed: int = typer.Option(0, help="Seed for router init and expert noise."),
-    trust_pickle: bool = typer.Option(
-        False, "--trust-pickle", help="Unpickle a .pth/.bin checkpoint that is not plain tensors (runs its code)."),
+    spec: Annotated[Path, typer.Argument(help="Spec file.")],
+    output: OutputFile,
+    checkpoint: Annotated[Optional[Path], typer.Option(
+        "--checkpoint", "-c", help="Dense checkpoint (.safetensors/.pth/.bin); default: the spec's backbone.")] = None,
+    dtype: Annotated[DType, typer.Option("--dtype", help="Precision of the written weights.")] = DType.fp32,
+    max_shard_size: MaxShardSize = "2GB",
+    force: Overwrite = False,
+    check: Annotated[bool, typer.Option("--check/--no-check", help="Compare the result with the dense model.")] = True,
+    seed: Annotated[int, typer.Option(help="Seed for router init and expert noise.")] = 0,
+    trust_pickle: Annotated[bool, typer.Option(
+        "--trust-pickle", help="Unpickle a .pth/.bin checkpoint that is not plain tensors (runs its code).")] = False,
 ) -> None:
     """Build the MoE model with experts copied from a dense checkpoint and save it, one layer at a time."""
 

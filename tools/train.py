@@ -149,7 +149,7 @@ def _generator(*key: int) -> torch.Generator:
 def build_dataset(args: argparse.Namespace, model: nn.Module) -> Dataset:
     """The ImageFolder at `--data` through timm's training transform at the spec's input size, or synthetic
     images of that size."""
-    input_size = tuple(model.moespec_plan.input_size)
+    input_size = tuple(moespec.plan_of(model).input_size)
     if args.data is None:
         return SyntheticImages(args.synthetic_size, input_size, model.num_classes, seed=args.seed)
     if not args.data.is_dir():

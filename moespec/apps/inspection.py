@@ -30,9 +30,10 @@ from PIL import Image, UnidentifiedImageError
 from timm.data import create_transform, resolve_data_config
 from torch import nn
 
-from ..compiler import create_model, moe_layers
+from ..compiler import create_model, moe_layers, plan_of
 from ..distributed import expert_group
 from ..errors import MoespecError
+from ..planning import Plan
 from ..spec import RouterSpec, load_spec
 from ..spec.loading import SPEC_SUFFIXES
 from ..weights import load
@@ -90,20 +91,21 @@ def load_model(source: str | Path, *, seed: int = 0, spec: str | Path | None = N
     return model.eval()
 
 
-def data_transform(model: nn.Module):
-    """timm's eval transform for `model` (its pretrained_cfg: resize, crop, mean, std) at the spec's input
-    size; returns (data config, transform).
+def data_transform(model: nn.Module, plan: Plan | None = None):
+    """timm's eval transform for `model` (its pretrained_cfg: resize, crop, mean, std) at the input size of its
+    plan (`plan_of(model)` unless given); returns (data config, transform).
 
     Images are read as timm's data pipeline reads them: RGB for a 3-channel model, grayscale ("L") for a
     1-channel one (`in_chans: 1`), normalized by the mean of the pretrained_cfg's per-channel mean and std.
     Other channel counts have no image mode to read into and are refused."""
-    input_size = tuple(model.moespec_plan.input_size)
+    plan = plan or plan_of(model)
+    input_size = tuple(plan.input_size)
     args: dict[str, Any] = {"input_size": input_size}
     if input_size[0] == 1:
         base = resolve_data_config(args, model=model)
         args.update(mean=(sum(base["mean"]) / len(base["mean"]),), std=(sum(base["std"]) / len(base["std"]),))
     elif input_size[0] != 3:
-        source = getattr(getattr(model, "moespec_spec", None), "source", None) or model.moespec_plan.name
+        source = getattr(getattr(model, "moespec_spec", None), "source", None) or plan.name
         raise MoespecError(f"{source}: the model takes {input_size[0]}-channel images (input_size "
                            f"{list(input_size)}); inspect reads image files as RGB (3 channels) or grayscale "
                            f"(1 channel), as timm's data pipeline does")
@@ -194,10 +196,10 @@ def inspect_routing(model: nn.Module, folder: ImageFolder, *, batch_size: int = 
                     on_batch: Callable[[str, int, int], None] | None = None) -> RoutingReport:
     """Route every image of `folder` through `model` (eval mode, no gradients) and tabulate each MoE layer's
     routing by class. Unreadable files are skipped and listed; none readable is an error."""
-    config, transform = data_transform(model)
+    plan = plan_of(model)
+    config, transform = data_transform(model, plan)
     layers = moe_layers(model)
-    plan = model.moespec_plan
-    routers = {path: plan.layer(path).router for path in layers}
+    routers = {path: layer.plan.router for path, layer in layers.items()}
     tallies = {path: _Tally(len(folder.classes), layer.num_experts) for path, layer in layers.items()}
     images_per_class, skipped = [0] * len(folder.classes), []
     batches = [folder.files[i:i + batch_size] for i in range(0, len(folder.files), batch_size)]

@@ -11,13 +11,16 @@ from ..planning import LayerPlan
 
 
 def build_moe(layer: LayerPlan, dense_ffn: nn.Module) -> nn.Module:
-    """An MoE layer with the structure of `dense_ffn` at the plan's widths, freshly initialized."""
+    """An MoE layer with the structure of `dense_ffn` at the plan's widths, freshly initialized. It carries
+    `layer` as `plan` (plain data, read by later stages: `inspect`, `plan_of`), which its forward never reads."""
     adapter = adapter_named(layer.family)
     experts = adapter.build_experts(dense_ffn, layer.num_experts, layer.expert_hidden)
     shared = None
     if layer.shared_experts:
         shared = adapter.build_experts(dense_ffn, layer.shared_experts, layer.expert_hidden)
-    return layer.router.build(layer, experts, shared)
+    moe = layer.router.build(layer, experts, shared)
+    moe.plan = layer
+    return moe
 
 
 def materialize(module: nn.Module, device: str | torch.device = "cpu") -> nn.Module:

@@ -3,30 +3,31 @@
     create_model(spec)          the MoE model of a spec, freshly initialized, in training mode (as timm's)
     compile_model(model, plan)  the plan applied to an already built dense model (shares its other modules)
     compile_graph(model, plan)  the torch.fx rewrite that `compile_model` installs: trace, check, swap
+    plan_of(model)              the Plan a model of `create_model` (or `load`) was compiled from
 
 The returned model is an instance of the backbone's own class (`VisionTransformer`, `ConvNeXt`, ...): every
 timm method works (`forward_features`, `forward_intermediates`, `reset_classifier`, `group_matcher`,
-`set_grad_checkpointing`) and `model.blocks[i]` indexes as in timm. `no_weight_decay()` adds the experts'
-stacks of 1-D parameters (biases, norms) to the dense model's list, so that timm's optimizer factory treats
-them as it treats the dense FFN's.
+`set_grad_checkpointing`) and `model.blocks[i]` indexes as in timm. Each MoE layer carries its `LayerPlan`
+(`layer.plan`). `no_weight_decay()` adds the experts' stacks of 1-D parameters (biases, norms) to the dense
+model's list, so that timm's optimizer factory treats them as it treats the dense FFN's (`NoWeightDecay`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
-import types
+from dataclasses import dataclass
 
 import torch
 from torch import fx, nn
 
 from ..backbones import create_backbone, refuse_if_too_large, resolve_device
-from ..errors import SpecError
+from ..errors import MoespecError, SpecError
 from ..layers import Experts, MoELayer
 from ..planning import Plan, plan_for
 from ..spec import Spec, located
 from .passes import replace_ffns, rescale_blocks
-from .tracer import trace
+from .tracer import release, trace
 
 
 def compile_graph(model: nn.Module, plan: Plan, *, moe_device: str | torch.device | None = None) -> fx.GraphModule:
@@ -40,12 +41,13 @@ def compile_model(model: nn.Module, plan: Plan, *, moe_device: str | torch.devic
     """`model` (a copy of it sharing its other modules, unless `inplace`) with the modules that
     `compile_graph` swapped at their call sites swapped in: the same class, the same function as the
     rewritten graph. Its MoE layers are built on `moe_device` (default: the backbone's device)."""
-    _, swapped = _rewrite(model, plan, moe_device)
+    gm, swapped = _rewrite(model, plan, moe_device)
+    release(gm)  # only its modules are kept
     out = model if inplace else _copy_along(model, list(swapped))
     for path, module in swapped.items():
         out.set_submodule(path, module)
-    out.moespec_plan = plan
-    out.no_weight_decay = types.MethodType(_no_weight_decay, out)
+    dense = getattr(type(model), "no_weight_decay", None)  # the class's: `inplace` may compile a compiled model
+    out.no_weight_decay = NoWeightDecay(frozenset(dense(out) if dense is not None else ()) | _stacked_1d(out))
     return out
 
 
@@ -56,14 +58,28 @@ def _rewrite(model: nn.Module, plan: Plan, moe_device) -> tuple[fx.GraphModule, 
     again through the rebuilt blocks so that their FFN call sites can be replaced like any other.
     """
     ffns = {layer.path for layer in plan.layers}
-    gm, swapped = model, {}
+    traced, swapped = model, {}
     if plan.rescales:
         blocks = {r.block for r in plan.rescales}
-        gm = rescale_blocks(trace(model, blocks | {p for p in ffns if plan.rebuilt(p) is None}), plan)
-        swapped.update((block, gm.get_submodule(block)) for block in sorted(blocks))
-    gm = replace_ffns(trace(gm, ffns), plan, moe_device)
+        traced = rescale_blocks(trace(model, blocks | {p for p in ffns if plan.rebuilt(p) is None}), plan)
+        swapped.update((block, traced.get_submodule(block)) for block in sorted(blocks))
+    gm = replace_ffns(trace(traced, ffns), plan, moe_device)
+    if traced is not model:
+        release(traced)  # the step between: its modules live on in `gm`
     swapped.update((layer.path, gm.get_submodule(layer.path)) for layer in plan.layers)
     return gm, swapped
+
+
+def plan_of(model: nn.Module) -> Plan:
+    """The Plan that `model`, built by `create_model` (or `load`, `upcycle`, a registered timm name), was
+    compiled from: the plan of the spec it carries (`model.moespec_spec`) on the backbone built on the meta
+    device, the same plan as the model's build, since a plan is a function of the spec. Each MoE layer also
+    carries its own part (`layer.plan`)."""
+    spec = getattr(model, "moespec_spec", None)
+    if spec is None:
+        raise MoespecError("this model was not built by moespec (no spec attached); build it with "
+                           "moespec.create_model, or keep the plan you passed to compile_model")
+    return plan_for(spec, create_backbone(spec, device="meta"))
 
 
 def create_model(spec: Spec, *, device: str | torch.device = "cpu", seed: int | None = None,
@@ -96,17 +112,27 @@ def create_model(spec: Spec, *, device: str | torch.device = "cpu", seed: int | 
     return model.train()
 
 
-def _no_weight_decay(self: nn.Module) -> set[str]:
-    """The dense class's `no_weight_decay()` plus the experts' stacked biases and norm parameters."""
-    dense = getattr(type(self), "no_weight_decay", None)
-    return set(dense(self) if dense is not None else ()) | set(_stacked_1d(self))
+@dataclass(frozen=True)
+class NoWeightDecay:
+    """A compiled model's `no_weight_decay()`: the dense class's names plus the experts' stacked biases and
+    norm parameters, which timm's rule (1-D, or a name ending in ".bias") misses in their [E, n] stacks.
+
+    timm's optimizer factory asks the model itself, and the model stays an instance of the timm class, so this
+    is set on the instance; it is plain data (a set of names fixed at compile time, which `shard_experts` and
+    loading keep), not a method bound to the model: the model holds no reference to itself, so it is freed
+    as soon as it is dropped, and it copies and pickles as any timm model."""
+
+    names: frozenset[str]
+
+    def __call__(self) -> set[str]:
+        return set(self.names)
 
 
-def _stacked_1d(model: nn.Module) -> list[str]:
+def _stacked_1d(model: nn.Module) -> frozenset[str]:
     """The expert banks' [E, n] parameters: stacks of the dense FFN's 1-D biases and norm parameters."""
-    return [f"{path}.{bank_name}.{name}" for path, layer in moe_layers(model).items()
-            for bank_name, bank in layer.named_modules() if isinstance(bank, Experts)
-            for name, param in bank.named_parameters() if param.dim() == 2]
+    return frozenset(f"{path}.{bank_name}.{name}" for path, layer in moe_layers(model).items()
+                     for bank_name, bank in layer.named_modules() if isinstance(bank, Experts)
+                     for name, param in bank.named_parameters() if param.dim() == 2)
 
 
 def _copy_along(model: nn.Module, paths: list[str]) -> nn.Module:

@@ -43,10 +43,20 @@ def trace(model: nn.Module, targets: set[str]) -> fx.GraphModule:
         graph = tracer.trace(model)
     except Exception as err:  # fx raises plain TraceError / TypeError with little context
         raise CompileError(f"torch.fx could not trace {type(model).__name__}: {err}") from err
-    gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
+    finally:
+        # The tracer sits in reference cycles (its proxies and the closures it patched in point back at it),
+        # which only the cycle collector frees. Emptied, they hold nothing of the model, which is freed as
+        # soon as it is dropped.
+        vars(tracer).clear()
+    gm = fx.GraphModule(model, graph, type(model).__name__)  # the tracer's root is `model`
     for name in TIMM_ATTRIBUTES:
         if hasattr(model, name):
             setattr(gm, name, getattr(model, name))
     return gm
 
 
+def release(gm: fx.GraphModule) -> None:
+    """Done with `gm`: break the reference cycle between it and its graph (`graph.owning_module`), so that
+    it and the modules it holds are freed as soon as it is dropped, not when the cycle collector gets round to
+    it. `gm` is not to be used afterwards."""
+    gm.graph.owning_module = None

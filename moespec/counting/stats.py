@@ -12,19 +12,15 @@ The backbone is built and traced once per spec: the dense figures come from it b
 figures from the compiled model that shares its modules. No weight is allocated: the backbone's parameters are
 zero-stride views of one zero (`create_weightless_backbone`; fvcore's trace needs real tensors, not real values)
 and the MoE layers are built on the meta device, so a spec of billions of parameters costs its activations at
-batch 1 and a passing copy of its largest weight. Everything built is freed before `stats` returns, so
-counting several specs in one process peaks at the largest one. Records are data; the CLI renders them.
+batch 1 and a passing copy of its largest weight. Nothing built is in a reference cycle (the compiler leaves
+none), so all of it is freed as `stats` returns, without a garbage collection, and counting several specs in
+one process peaks at the largest one. Records are data; the CLI renders them.
 """
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
-import gc
 import inspect
-import sys
 from dataclasses import asdict, dataclass, field
-from typing import Iterator
 
 from torch import nn
 
@@ -97,45 +93,7 @@ def stats(spec: Spec, *, input_size: tuple[int, int, int] | None = None) -> Spec
     """Parameter and MAC counts of `spec` (at `input_size`, default the spec's) and of its dense backbone."""
     if input_size is not None:
         spec = at_input_size(spec, tuple(input_size))
-    with _freed_on_return():
-        return _count(spec)
-
-
-@contextlib.contextmanager
-def _freed_on_return() -> Iterator[None]:
-    """Free what the block built once it ends, and give the memory back to the system.
-
-    The models `_count` builds are unreachable when it returns, but not yet freed: torch.fx's tracer and
-    GraphModule and the compiled model's bound `no_weight_decay` hold them in reference cycles, which only the
-    cycle collector frees, and CPython runs a full collection by object counts, not bytes. Without a collection,
-    a loop over specs (`moespec stats a b c`, a sweep) keeps each spec's models, fx graphs and fvcore traces
-    until CPython gets round to it. A full collection walks every object of the process (0.2 s in the CLI, 0.5 s
-    in the test suite's process), so the objects alive before the block are frozen (`gc.freeze`: left out of
-    collections) while it runs, and the collection walks only the block's own. Where something else froze
-    objects already, their freeze is left alone and the collection is a full one."""
-    own_freeze = gc.get_freeze_count() == 0
-    if own_freeze:
-        gc.freeze()
-    try:
-        yield
-    finally:
-        gc.collect()
-        if own_freeze:
-            gc.unfreeze()
-        _give_back_freed_memory()
-
-
-def _give_back_freed_memory() -> None:
-    """Return the heap memory freed so far to the system (glibc's `malloc_trim`). glibc keeps freed chunks of
-    the heap for reuse, fragmented, so each spec's peak stood on what the ones before had left: three Soft MoE
-    H/14 specs in a row peaked at 1108 MB against 974 MB for the first alone, and at 983 MB with this. Other C
-    libraries have no such call and are left alone."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        ctypes.CDLL(None).malloc_trim(0)  # the libc this process already runs on
-    except (OSError, AttributeError):  # musl and others: no malloc_trim
-        pass
+    return _count(spec)
 
 
 def _count(spec: Spec) -> SpecStats:

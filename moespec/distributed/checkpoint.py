@@ -29,9 +29,11 @@ from ..compiler import create_model, materialize, moe_layers
 from ..errors import MoespecError
 from ..io import check_castable, checkpoint_files, safetensors_shapes
 from ..layers.expert_parallel import sharded_banks
+from ..planning import plan_for
 from ..spec import Spec
 from ..weights import check_state_dict, read_spec
 from ..weights.dense import dense_model
+from ..weights.mapping import dense_to_moe
 from ..weights.upcycle import upcycle_layer
 from .sharding import check_divisible, expert_group, require_process_group, shard_experts
 
@@ -73,27 +75,24 @@ def upcycle(spec: Spec, checkpoint: str | Path | None = None, *, seed: int = 0,
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)  # a dense model without weights gets the same fresh init as one process's
         dense, _ = dense_model(spec, checkpoint, trust_pickle=trust_pickle)
+    plan = plan_for(spec, dense)  # the plan `create_model` builds: the dense model is the spec's backbone
     model = create_model(spec, moe_device="meta")
-    plan = model.moespec_plan
     if plan.rescales:
         raise MoespecError(f"{plan.name}: moespec.distributed.upcycle does not rebuild rescaled blocks (their fresh "
                            f"init is drawn for the whole model); upcycle with one process (`moespec upcycle`) and "
                            f"load the file with moespec.distributed.load")
-    dense_state = dense.state_dict()
-    layers = moe_layers(model)
-    skip = tuple(f"{path}." for path in layers)
+    plain, ffns = dense_to_moe(plan, dense.state_dict())
     with torch.no_grad():
         for name, tensor in model.state_dict().items():
-            if not name.startswith(skip):
-                tensor.copy_(dense_state[name])
+            if name in plain:
+                tensor.copy_(plain[name])
     shard_experts(model, group)
     generator = torch.Generator().manual_seed(seed)
-    for layer_plan in plan.layers:
-        layer = materialize(layers[layer_plan.path])
-        prefix = layer_plan.path + "."
-        ffn_state = {k[len(prefix):]: v for k, v in dense_state.items() if k.startswith(prefix)}
+    layers = moe_layers(model)
+    for path, ffn_state in ffns.items():
+        layer = materialize(layers[path])
         with torch.no_grad():
-            upcycle_layer(layer, layer_plan, ffn_state, spec, generator)
+            upcycle_layer(layer, plan.layer(path), ffn_state, spec, generator)
     return model.train()
 
 

@@ -3,7 +3,9 @@ and locating later problems (found against the real model) in the spec's file.""
 
 from __future__ import annotations
 
+import functools
 import os
+import stat
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -106,13 +108,32 @@ def spec_files(paths: Sequence[str | Path]) -> list[Path]:
 def spec_problem(spec: Spec, path: str, message: str) -> Problem:
     """A Problem about field `path` (dotted) of a validated spec, located in its file when it has one."""
     line = column = None
-    if spec.source and Path(spec.source).is_file():
-        try:
-            _, positions = load_yaml(read_spec_text(Path(spec.source)), spec.source)
-            line, column = positions.find(path.split("."))
-        except SpecError:
-            pass
+    positions = _file_positions(spec.source) if spec.source else None
+    if positions is not None:
+        line, column = positions.find(path.split("."))
     return Problem(message, path=path, file=spec.source, line=line, column=column)
+
+
+def _file_positions(file: str) -> Positions | None:
+    """The positions of the spec file `file` as it is now, or None when it is not a readable, valid YAML file.
+    Parsed once per version of the file (a spec with many problems is located by one parse), again when it
+    changes: its path, inode, size and modification time are the cache key."""
+    try:
+        status = os.stat(file)
+    except (OSError, ValueError):  # missing, unreadable folder, or a name with a NUL
+        return None
+    if not stat.S_ISREG(status.st_mode):
+        return None
+    return _parsed_positions(file, status.st_ino, status.st_size, status.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=64)
+def _parsed_positions(file: str, inode: int, size: int, mtime_ns: int) -> Positions | None:
+    """`_file_positions`, cached; the file's inode, size and mtime only key the cache."""
+    try:
+        return load_yaml(read_spec_text(Path(file)), file)[1]
+    except SpecError:
+        return None
 
 
 def located(spec: Spec, error: SpecError) -> SpecError:

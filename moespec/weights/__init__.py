@@ -1,6 +1,7 @@
 """Stage 6, weights: where a compiled model's weights come from and go to.
 
     dense.py       the dense backbone with its weights (checkpoint file, timm pretrained, fresh), checked
+    mapping.py     the dense -> MoE state mapping: names copied as they are, FFNs cut out for the experts
     upcycle.py     experts copied from the dense FFN, in memory; caveats; the dense-vs-MoE check
     streaming.py   upcycling straight to a sharded checkpoint, one MoE layer at a time
     checkpoint.py  save / load: safetensors with the spec inside

@@ -18,6 +18,7 @@ from ..planning import Plan, plan_for
 from ..spec import Spec
 from .checkpoint import load, output_dtype, spec_metadata
 from .dense import dense_model
+from .mapping import dense_to_moe
 from .upcycle import UpcycleReport, caveats, compare, upcycle_layer
 
 MAX_SEED = 2**63 - 1
@@ -51,12 +52,12 @@ def upcycle_to_checkpoint(spec: Spec, output: str | Path, *, checkpoint: str | P
         generator = torch.Generator().manual_seed(seed)
         dense, source = dense_model(spec, checkpoint, trust_pickle=trust_pickle)
         plan = plan_for(spec, dense)
-        dense_state = dense.state_dict()  # keeps the FFN weights reachable once the MoE model replaces them
+        _, ffns = dense_to_moe(plan, dense.state_dict())  # keeps the FFN weights once the MoE model replaces them
         model = compile_model(dense, plan, moe_device="meta")  # shares every other module with `dense`
         state = model.state_dict()
         params = sum(t.numel() for t in state.values())
         whole = check and params * 4 <= _memory_bytes() / 4
-        layers = _LayerStream(model, spec, plan, dense, dense_state, generator, per_layer_check=check and not whole,
+        layers = _LayerStream(model, spec, plan, dense, ffns, generator, per_layer_check=check and not whole,
                               on_layer=on_layer)
         infos = [TensorInfo(name, tuple(t.shape), output_dtype(t.dtype, dtype)) for name, t in state.items()]
         files = write_sharded(output, infos, lambda info: layers.tensor(info.name, state).to(info.dtype),
@@ -76,11 +77,11 @@ class _LayerStream:
     """Hands out the tensors of a model whose MoE layers are on the meta device: each layer is materialized
     and upcycled when its first tensor is asked for, and freed after its last."""
 
-    def __init__(self, model: nn.Module, spec: Spec, plan: Plan, dense: nn.Module, dense_state: dict[str, torch.Tensor],
-                 generator: torch.Generator, *, per_layer_check: bool,
+    def __init__(self, model: nn.Module, spec: Spec, plan: Plan, dense: nn.Module,
+                 ffns: dict[str, dict[str, torch.Tensor]], generator: torch.Generator, *, per_layer_check: bool,
                  on_layer: Callable[[str, int, int], None] | None):
         self.layers, self.spec, self.plan = moe_layers(model), spec, plan
-        self.dense, self.dense_state = dense, dense_state
+        self.dense, self.ffns = dense, ffns  # `dense_to_moe`'s FFN states: MoE layer path -> its dense FFN
         self.generator, self.per_layer_check, self.on_layer = generator, per_layer_check, on_layer
         self.check_generator = torch.Generator().manual_seed(generator.initial_seed() + 1)
         self.current: tuple[str, dict[str, torch.Tensor]] | None = None
@@ -108,10 +109,9 @@ class _LayerStream:
 
     def _build(self, path: str) -> dict[str, torch.Tensor]:
         layer = materialize(self.layers[path])  # fresh init: what rebuilt (rescaled) blocks keep
-        if self.plan.rebuilt(path) is None:
-            ffn_state = {k[len(path) + 1:]: v for k, v in self.dense_state.items() if k.startswith(path + ".")}
+        if path in self.ffns:  # not in a rebuilt block
             with torch.no_grad():
-                upcycle_layer(layer, self.plan.layer(path), ffn_state, self.spec, self.generator)
+                upcycle_layer(layer, self.plan.layer(path), self.ffns[path], self.spec, self.generator)
             if self.per_layer_check:
                 self._check(self.dense.get_submodule(path), layer)
         return layer.state_dict()

@@ -23,9 +23,10 @@ from torch import nn
 from ..backbones import adapter_named
 from ..compiler import create_model, moe_layers
 from ..errors import SpecError
-from ..planning import LayerPlan, Plan
+from ..planning import LayerPlan, Plan, plan_for
 from ..spec import Spec, spec_problem
 from .dense import dense_model
+from .mapping import dense_to_moe
 
 
 @dataclass(frozen=True)
@@ -95,29 +96,27 @@ def upcycle_with_report(spec: Spec, checkpoint: str | Path | None = None, *, see
         torch.manual_seed(seed)  # a dense model without weights gets a reproducible fresh init
         dense, source = dense_model(spec, checkpoint, trust_pickle=trust_pickle)
     generator = torch.Generator().manual_seed(seed)
+    plan = plan_for(spec, dense)  # the plan `create_model` builds: the dense model is the spec's backbone
     model = create_model(spec)
-    upcycle_into(model, spec, model.moespec_plan, dense.state_dict(), generator)
+    upcycle_into(model, spec, plan, dense.state_dict(), generator)
     if not check:
         return model, None
-    report = compare(dense, model, model.moespec_plan.input_size, source, generator)
-    return model.train(), dataclasses.replace(report, caveats=caveats(model.moespec_plan))
+    report = compare(dense, model, plan.input_size, source, generator)
+    return model.train(), dataclasses.replace(report, caveats=caveats(plan))
 
 
 def upcycle_into(model: nn.Module, spec: Spec, plan: Plan, dense: dict[str, torch.Tensor],
                  generator: torch.Generator) -> None:
     """Copy `dense` into the compiled `model` in place: non-FFN weights as they are, FFNs into experts.
     Blocks rebuilt at a rescaled shape keep their fresh init: no dense weight has their shape."""
+    plain, ffns = dense_to_moe(plan, dense)
     layers = moe_layers(model)
-    skip = tuple(f"{path}." for path in layers) + tuple(f"{r.block}." for r in plan.rescales)
     with torch.no_grad():
         for name, tensor in model.state_dict(keep_vars=True).items():
-            if not name.startswith(skip) and name in dense:
-                tensor.copy_(dense[name])
-        for layer in plan.layers:
-            if plan.rebuilt(layer.path) is not None:
-                continue
-            ffn_state = {k[len(layer.path) + 1:]: v for k, v in dense.items() if k.startswith(layer.path + ".")}
-            upcycle_layer(layers[layer.path], layer, ffn_state, spec, generator)
+            if name in plain:
+                tensor.copy_(plain[name])
+        for path, ffn_state in ffns.items():
+            upcycle_layer(layers[path], plan.layer(path), ffn_state, spec, generator)
 
 
 def upcycle_layer(moe: nn.Module, layer: LayerPlan, ffn_state: dict[str, torch.Tensor], spec: Spec,

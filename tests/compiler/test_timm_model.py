@@ -3,7 +3,11 @@ optimizer factory groups its parameters as the dense model's, and gradient check
 
 from __future__ import annotations
 
+import copy
+import gc
+import pickle
 import re
+import weakref
 
 import pytest
 import timm
@@ -13,9 +17,14 @@ from timm.models.vision_transformer import VisionTransformer
 from timm.optim import create_optimizer_v2, param_groups_layer_decay
 
 import moespec
+from moespec.backbones import create_backbone
+from moespec.compiler import NoWeightDecay, compile_model, plan_of
+from moespec.errors import MoespecError
 from moespec.layers import MoE
+from moespec.planning import plan_for
 
 from ..conftest import TINY_CONVNEXT, TINY_INPUT, TINY_VIT, make_spec, randomize
+from .test_sparse_mlp import SMALL
 
 EVERY_BLOCK = [{"where": {"every": 1}, "experts": 4, "top_k": 2}]
 # eva02 with scale_mlp: a SwiGLU FFN with an inner LayerNorm, so experts carry stacked norm parameters
@@ -60,6 +69,59 @@ def test_create_model_upcycle_and_load_return_training_mode_models(tmp_path):
     assert moespec.upcycle(spec).training
     moespec.save(model, tmp_path / "m.safetensors")
     assert moespec.load(tmp_path / "m.safetensors").training
+
+
+def test_the_model_holds_no_reference_to_itself_and_pickles():
+    """What moespec adds to a timm model is plain data: its `no_weight_decay` is no method bound to the model
+    (which made a reference cycle), so the model is freed as soon as it is dropped, with no cycle collection."""
+    model = moespec.create_model(make_spec(TINY_VIT, EVERY_BLOCK))
+    assert type(model.no_weight_decay) is NoWeightDecay
+    names = model.no_weight_decay()
+    assert {"pos_embed", "cls_token", "blocks.1.mlp.experts.fc1.bias", "blocks.1.mlp.experts.fc2.bias"} <= names
+    twin = pickle.loads(pickle.dumps(model))
+    assert twin.no_weight_decay() == copy.deepcopy(model).no_weight_decay() == names
+    assert twin.moespec_spec == model.moespec_spec and twin.blocks[1].mlp.plan == model.blocks[1].mlp.plan
+    gc.collect()
+    gc.disable()
+    try:
+        dropped = [weakref.ref(x) for x in (model, *model.modules(), *model.parameters())]
+        del model, twin
+        assert not [ref for ref in dropped if ref() is not None]
+    finally:
+        gc.enable()
+
+
+def test_compile_model_frees_the_graphs_it_traced():
+    """compile_model keeps the swapped modules, not the fx tracer or graph modules (each in reference cycles):
+    the dense model it compiled is freed once dropped, with no cycle collection. A rescale traces twice."""
+    spec = moespec.load_spec({**SMALL, "moe": SMALL["moe"] + [{"where": {"first": 1}, "sublayer": "mlp_tokens",
+                                                                "experts": 2, "top_k": 1}]})
+    dense = create_backbone(spec)
+    plan = plan_for(spec, dense)
+    gc.collect()
+    gc.disable()
+    try:
+        model = compile_model(dense, plan)
+        dropped = [weakref.ref(x) for x in (dense, *dense.modules(), *dense.parameters())]
+        kept = {id(x) for x in (*model.modules(), *model.parameters())}
+        dropped = [ref for ref in dropped if id(ref()) not in kept]  # the FFNs and blocks replaced, and the root
+        del dense
+        assert len(dropped) > 10 and not [ref for ref in dropped if ref() is not None]
+    finally:
+        gc.enable()
+
+
+def test_plan_of_a_model_is_the_plan_it_was_compiled_from_and_each_layer_carries_its_part(tmp_path):
+    spec = make_spec(TINY_VIT, [{"where": {"last": 1}, "experts": 4, "top_k": 1}])
+    model = moespec.create_model(spec)
+    plan = plan_of(model)
+    assert plan == moespec.plan(spec) and moespec.plan_of is plan_of
+    assert [(path, layer.plan) for path, layer in moespec.moe_layers(model).items()] == [
+        (layer.path, layer) for layer in plan.layers]
+    moespec.save(model, tmp_path / "m.safetensors")
+    assert plan_of(moespec.load(tmp_path / "m.safetensors")) == plan
+    with pytest.raises(MoespecError, match="not built by moespec"):
+        plan_of(compile_model(create_backbone(spec), plan))  # compile_model's caller holds the plan
 
 
 def _counterpart(name: str, dense_names: list[str]) -> str:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import moespec
-from moespec.compiler import moe_layers
+from moespec.compiler import moe_layers, plan_of
 from moespec.errors import SpecError
 from moespec.spec import json_schema, register_router_kind, unregister_router_kind
 from moespec.weights import caveats
@@ -80,7 +80,7 @@ def test_plan_build_and_train_on_tokens_and_feature_maps(hash_kind):
 def test_an_upcycled_hash_layer_is_exactly_the_dense_ffn(hash_kind, dense_checkpoint):
     path, dense = dense_checkpoint(TINY_VIT)
     model = moespec.upcycle(make_spec(TINY_VIT, [HASH_GROUP]), path).eval()
-    assert caveats(model.moespec_plan) == ()
+    assert caveats(plan_of(model)) == ()
     x = torch.randn(2, *TINY_INPUT)
     with torch.no_grad():
         torch.testing.assert_close(model(x), dense(x), atol=1e-5, rtol=1e-5)

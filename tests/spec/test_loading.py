@@ -1,0 +1,57 @@
+"""Locating problems found after validation (against the real model) in the spec's file."""
+
+from __future__ import annotations
+
+import os
+
+from moespec import SpecError, load_spec
+from moespec.spec import loading
+from moespec.spec.loading import located, spec_problem
+
+from ..conftest import line_of, write
+
+TEXT = """\
+backbone: {model: vit_small_patch16_224}
+moe:
+  - {where: {every: 2}, experts: 8, top_k: 2}
+  - {where: {last: 1}, experts: 4}
+"""
+
+def _experts_at(line: int) -> tuple[int, int]:
+    return line, TEXT.splitlines()[line - 1].index("experts") + 1
+
+
+def test_a_spec_with_many_problems_is_parsed_once(tmp_path, monkeypatch):
+    spec = load_spec(write(tmp_path, TEXT))
+    parses = []
+    monkeypatch.setattr(loading, "load_yaml", lambda *args: parses.append(args) or _real_load_yaml(*args))
+    error = located(spec, SpecError([SpecError(f"problem {i}").problems[0] for i in range(3)]))
+    problems = [spec_problem(spec, f"moe.{i % 2}.experts", f"problem {i}") for i in range(10)] + error.problems
+    assert len(parses) == 1
+    assert [(p.line, p.column) for p in problems[:2]] == [_experts_at(3), _experts_at(4)]
+    assert str(problems[0]) == f"{spec.source}:3:{_experts_at(3)[1]}: moe.0.experts: problem 0"
+    assert [(p.file, p.line) for p in error.problems] == [(spec.source, 1)] * 3  # no field path: the first line
+
+
+def test_an_edited_file_is_parsed_again(tmp_path):
+    path = write(tmp_path, TEXT)
+    spec = load_spec(path)
+    assert spec_problem(spec, "moe.1.experts", "x").line == line_of(TEXT, "experts: 4")
+    edited = "# a comment line\n" + TEXT
+    path.write_text(edited)
+    os.utime(path, ns=(os.stat(path).st_atime_ns, os.stat(path).st_mtime_ns + 1))  # also on a coarse clock
+    assert spec_problem(spec, "moe.1.experts", "x").line == line_of(edited, "experts: 4")
+
+
+def test_a_spec_without_a_readable_file_has_no_position(tmp_path):
+    path = write(tmp_path, TEXT)
+    spec = load_spec(path)
+    path.unlink()
+    problem = spec_problem(spec, "moe.0.experts", "x")
+    assert (problem.file, problem.line, problem.column) == (str(path), None, None)
+    path.write_text("moe: [unclosed\n")  # no longer YAML
+    assert spec_problem(spec, "moe.0.experts", "x").line is None
+    assert spec_problem(load_spec({"backbone": {"model": "vit_small_patch16_224"}}), "backbone", "x").file is None
+
+
+_real_load_yaml = loading.load_yaml
