@@ -159,15 +159,15 @@ def test_render_adds_the_swept_values_as_columns(tiny_spec):
 def test_sweep_command_prints_the_valid_points_lists_the_invalid_and_plots(tiny_spec):
     folder = tiny_spec.parent
     argv = [sys.executable, "-m", "moespec.cli", "sweep", str(tiny_spec), "--set", "moe.0.experts=2,4",
-            "--set", "moe.0.top_k=1,3", "-f", "csv", "--plot", "front.png"]
+            "--set", "moe.0.router.top_k=1,3", "-f", "csv", "--plot", "front.png"]
     run = subprocess.run(argv, cwd=folder, capture_output=True, text=True, timeout=300)
     assert run.returncode == 2  # one point does not validate
     assert run.stderr.splitlines() == [
-        "moespec: error: point moe.0.experts=2, moe.0.top_k=3: moe.0.top_k: top_k (3) must be between 1 and "
-        "experts (2)",
+        "moespec: error: point moe.0.experts=2, moe.0.router.top_k=3: moe.0.router.top_k: top_k (3) must be between "
+        "1 and experts (2)",
         "moespec: wrote front.png"]  # piped: no progress bar
     lines = run.stdout.splitlines()
-    assert lines[0].startswith("name,moe.0.experts,moe.0.top_k,backbone,")
+    assert lines[0].startswith("name,moe.0.experts,moe.0.router.top_k,backbone,")
     assert [line.split(",")[1:3] for line in lines[1:]] == [["2", "1"], ["4", "1"], ["4", "3"]]
     assert (folder / "front.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     umask = os.umask(0)
