@@ -23,9 +23,10 @@ LAYER_COLUMNS = ("name", "module", "experts", "k", "shared", "items", "params (M
                  "executed GMACs")
 FOOTER = ("experts (all layers): routed experts summed over the MoE layers. params: total parameters. "
           "activated: parameters used per routed item (everything outside MoE layers "
-          "+ routers + shared experts + top_k routed experts). GMACs: 10^9 multiply-adds per image at batch 1 "
-          "(fvcore's convention: one MAC = one flop), MoE layers at k experts per item with perfect balance and "
-          "no drops. M = 10^6; exact counts in --format json.")
+          "+ routers + shared experts + the routed experts an item uses: top_k, E*C/T for expert choice, all for "
+          "Soft MoE). GMACs: 10^9 multiply-adds per image at batch 1 (fvcore's convention: one MAC = one flop), "
+          "MoE layers at those experts per item with perfect balance and no drops. M = 10^6; exact counts in "
+          "--format json.")
 RANK_COLUMNS = ("ranks", "params/rank (M)", "experts/rank (M)", "replicated (M)", "fp32 train GB/rank")
 RANK_FOOTER = ("ranks: expert parallelism, each MoE layer's routed experts split evenly over the ranks, everything "
                "else (backbone, routers, shared experts) replicated on every rank. params/rank = experts/rank + "
