@@ -47,6 +47,18 @@ def has_grouped_mm() -> bool:
     return hasattr(F, "grouped_mm")
 
 
+TRACED_GROUPED_DTYPES = (torch.bfloat16, torch.float16)  # what grouped_mm's fake (meta) kernel takes
+
+
+def traced_step(dtype: torch.dtype, device: torch.device, aligned: bool) -> str:
+    """The step while torch.compile traces: nothing is chosen on the sizes (no host sync). grouped_mm where its
+    fake kernel takes the dtype it will run in (bf16 or fp16; under CUDA autocast grouped_mm runs in the
+    autocast dtype, on CPU it is not autocast), else padded."""
+    if device.type == "cuda" and torch.is_autocast_enabled("cuda"):
+        dtype = torch.get_autocast_dtype("cuda")
+    return "grouped_mm" if aligned and has_grouped_mm() and dtype in TRACED_GROUPED_DTYPES else "padded"
+
+
 def auto_step(rows: int, dtype: torch.dtype, device: torch.device, counts: torch.Tensor, aligned: bool,
               backward: bool = False) -> str:
     """The step for `rows` rows of `dtype` on `device`, sorted by expert, `counts` [E] rows per local expert.

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .dispatch import auto_step, equal_segments_step, traced
+from .dispatch import auto_step, equal_segments_step, traced, traced_step
 from .expert_autograd import ExpertLinear, SegmentGraphs, expert_segments
 from .routing import at_least_fp32
 
@@ -164,6 +164,8 @@ class Experts(nn.Module):
             return "loop"
         if self.dispatch != "auto":
             return self.dispatch
+        if traced():
+            return traced_step(like.dtype, like.device, self._aligned(like.element_size()))
         return auto_step(rows, like.dtype, like.device, counts, self._aligned(like.element_size()),
                          backward=self._records_graph(like))
 

@@ -1,0 +1,64 @@
+"""torch.compile of a training model (issue 35, point 4): compiled steps called alternately with eager steps of
+the same model, with `moespec.aux_loss` in the loss, give the eager losses. On CPU the expert step that
+torch.compile traces is one whose fake kernels take the dtype (`dispatch.traced_step`): grouped_mm's take only
+bf16 / fp16, and it was chosen in fp32 (the first step stopped in inductor's fake-tensor run)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import moespec
+from moespec.layers.dispatch import traced_step
+
+from ..conftest import make_spec
+
+TINY = {"model": "vit_small_patch16_224",
+        "kwargs": {"depth": 2, "embed_dim": 64, "num_heads": 2, "img_size": 32, "num_classes": 10}}
+ROUTERS = {"topk2": {"top_k": 2}, "topk_capacity": {"top_k": 1, "capacity_factor": 1.25},
+           "image": {"kind": "image"}, "expert_choice": {"kind": "expert_choice"}, "soft": {"kind": "soft"}}
+
+
+def _losses(router: dict, compiled: bool, autocast: bool, steps: int = 4) -> list[float]:
+    spec = make_spec(TINY, [{"where": {"every": 1}, "experts": 4, "router": router}], input_size=[3, 32, 32])
+    model = moespec.create_model(spec, seed=0)
+    step_model = torch.compile(model) if compiled else model
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    generator = torch.Generator().manual_seed(0)
+    x, y = torch.randn(4, 3, 32, 32, generator=generator), torch.randint(0, 10, (4,), generator=generator)
+    losses = []
+    for step in range(steps):
+        run = step_model if step % 2 == 0 else model  # compiled, eager, compiled, eager
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = F.cross_entropy(run(x), y) + moespec.aux_loss(model)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("router", ROUTERS, ids=str)
+def test_compiled_and_eager_steps_alternate_with_the_aux_loss_and_match_eager(router):
+    torch._dynamo.reset()
+    eager = _losses(ROUTERS[router], compiled=False, autocast=False)
+    assert _losses(ROUTERS[router], compiled=True, autocast=False) == pytest.approx(eager, rel=1e-4, abs=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("router", ["topk2", "image"])
+def test_compiled_training_under_bf16_autocast_matches_eager(router):
+    torch._dynamo.reset()
+    eager = _losses(ROUTERS[router], compiled=False, autocast=True)
+    assert _losses(ROUTERS[router], compiled=True, autocast=True) == pytest.approx(eager, rel=2e-2)
+
+
+def test_the_traced_step_is_one_the_fake_kernels_take():
+    cpu = torch.device("cpu")
+    assert traced_step(torch.float32, cpu, aligned=True) == "padded"  # grouped_mm's fake kernel refuses fp32
+    assert traced_step(torch.bfloat16, cpu, aligned=True) in ("grouped_mm", "padded")  # grouped_mm if torch has it
+    assert traced_step(torch.bfloat16, cpu, aligned=False) == "padded"
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # CPU autocast leaves grouped_mm's inputs as they are
+        assert traced_step(torch.float32, cpu, aligned=True) == "padded"
