@@ -80,22 +80,14 @@ class MoE(MoELayer):
         if self.shared is not None:
             y = y + self.shared.forward_all(items, groups)
         if not exporting:  # an exported graph is a pure function: no routing state, no aux loss
-            self._remember(routing, items.shape[0], images)
+            self.last_routing, self.last_items, self.last_images = routing, items.shape[0], images
+            self.aux_losses = {kind: fn(routing) for kind, fn in AUX_LOSSES.items()}
             loss = self.weighted_aux_loss() if self.aux_loss_in_backward else None
             if loss is not None and loss.requires_grad:
                 BACKWARD_SCALE_CHECK.on_forward(self, x)
                 y = AuxLossAutoScaler.apply(y, loss, self.backward_scale)
         y = y.reshape(*channels_last.shape[:-1], y.shape[-1])
         return y if channels_last is x else y.movedim(-1, self.channels_dim)
-
-    @torch.compiler.disable
-    def _remember(self, routing: Routing, items: int, images: int) -> None:
-        """Keep the last forward's routing and aux losses, which `moespec.aux_loss`, `routing_stats` and
-        `inspect` read. Outside torch.compile's graph: on torch 2.11 (CUDA) a compiled call that followed an
-        eager call of the model left these stores out, and `moespec.aux_loss` returned the eager call's
-        losses, whose graph its backward had freed."""
-        self.last_routing, self.last_items, self.last_images = routing, items, images
-        self.aux_losses = {kind: fn(routing) for kind, fn in AUX_LOSSES.items()}
 
     def backward_scale(self) -> float:
         """The aux gradient's scale, read in backward: `aux_loss_backward_scale`, times the current scale of a

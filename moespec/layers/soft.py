@@ -81,15 +81,10 @@ class SoftMoE(MoELayer):
         if self.shared is not None:
             y = y + self.shared.forward_all(tokens.reshape(-1, dim)).reshape(images, tokens.shape[1], y.shape[-1])
         if not torch.compiler.is_exporting():  # an exported graph is a pure function: no routing state
-            self._remember(dispatch, combine, images * tokens.shape[1], images)
+            self.last_dispatch, self.last_combine = dispatch, combine
+            self.last_items, self.last_images = images * tokens.shape[1], images
         y = y.reshape(*channels_last.shape[:-1], y.shape[-1])
         return y if channels_last is x else y.movedim(-1, self.channels_dim)
-
-    @torch.compiler.disable
-    def _remember(self, dispatch: torch.Tensor, combine: torch.Tensor, items: int, images: int) -> None:
-        """Keep the last forward's dispatch and combine weights, outside torch.compile's graph (see
-        `MoE._remember`)."""
-        self.last_dispatch, self.last_combine, self.last_items, self.last_images = dispatch, combine, items, images
 
     def weights(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Dispatch (softmax over tokens) and combine (softmax over slots) weights, both [B, N, S]."""
