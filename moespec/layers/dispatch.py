@@ -42,6 +42,15 @@ def traced() -> bool:
     return getattr(torch.compiler, "is_compiling", lambda: False)()
 
 
+def exporting() -> bool:
+    """Whether torch.export is tracing this call: the flag `torch.compiler.is_exporting()` reads, read directly.
+    torch 2.11's Dynamo answers the call itself with True under torch.compile too, and the MoE layers took the
+    export path there (every expert on every item, no routing state, so `moespec.aux_loss` returned an
+    earlier step's losses); torch 2.14 answers it right."""
+    flag = getattr(torch.compiler, "_is_exporting_flag", None)
+    return torch.compiler.is_exporting() if flag is None else bool(flag)
+
+
 def has_grouped_mm() -> bool:
     """Whether this torch has the public grouped matmul (torch >= 2.9)."""
     return hasattr(F, "grouped_mm")

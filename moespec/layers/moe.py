@@ -23,6 +23,7 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from .dispatch import exporting
 from .experts import Experts
 from .interfaces import MoELayer, Router
 from .routing import AUX_LOSSES, Routing, items_per_image
@@ -72,14 +73,14 @@ class MoE(MoELayer):
             groups = torch.arange(images, device=x.device).repeat_interleave(items_per_image(items.shape[0], images))
         routing = self.router(items, images)
         routing.group = getattr(self.experts, "group", None)  # expert parallel: global aux losses and statistics
-        exporting = torch.compiler.is_exporting()
-        if exporting:
+        static = exporting()
+        if static:
             y = self._dense_combine(items, routing)
         else:
             y = self.experts.combine(items, routing.item, routing.counts, routing.weights, groups)
         if self.shared is not None:
             y = y + self.shared.forward_all(items, groups)
-        if not exporting:  # an exported graph is a pure function: no routing state, no aux loss
+        if not static:  # an exported graph is a pure function: no routing state, no aux loss
             self.last_routing, self.last_items, self.last_images = routing, items.shape[0], images
             self.aux_losses = {kind: fn(routing) for kind, fn in AUX_LOSSES.items()}
             loss = self.weighted_aux_loss() if self.aux_loss_in_backward else None

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .dispatch import exporting
 from .interfaces import Router
 from .routing import Groups, Routing, at_least_fp32, group_pairs, items_per_image, load_counts, smooth_load
 
@@ -208,7 +209,7 @@ class ExpertChoiceRouter(Router):
         if capacity[-1] < capacity[0]:  # keep only the last group's own C choices
             keep = (torch.arange(capacity[0], device=x.device) < torch.tensor(capacity, device=x.device).view(-1, 1))
             keep = keep.expand(experts, count, capacity[0]).reshape(-1)
-            if torch.compiler.is_exporting():
+            if exporting():
                 values, item = values * keep, item.clamp(max=x.shape[0] - 1)
             else:
                 item, values, expert = item[keep], values[keep], expert[keep]

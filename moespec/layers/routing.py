@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from .collectives import all_reduce_sum
+from .dispatch import exporting
 
 
 @dataclass
@@ -105,7 +106,7 @@ def stable_argsort(key: torch.Tensor, descending: bool = False) -> torch.Tensor:
     """`torch.argsort(key, stable=True)`. ONNX has no stable sort, so while exporting an integer key is made
     unique (key * n + position: the same order), and a float key (gate values) is sorted plainly, its ties
     having probability 0."""
-    if not torch.compiler.is_exporting():
+    if not exporting():
         return torch.argsort(key, descending=descending, stable=True)
     if key.is_floating_point():
         return torch.argsort(key, descending=descending)
@@ -133,7 +134,7 @@ def group_pairs(experts: torch.Tensor, weights: torch.Tensor, num_experts: int, 
     While `torch.export` traces (`static`), every one of the T * k choices stays a pair and a dropped one
     gets weight 0, so that no shape depends on the data; the MoE layer then combines densely.
     """
-    static = torch.compiler.is_exporting()
+    static = exporting()
     tokens, top_k = experts.shape
     flat = experts.reshape(-1)
     device = flat.device

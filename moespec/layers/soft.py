@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .collectives import all_reduce_sum
+from .dispatch import exporting
 from .experts import Experts
 from .interfaces import MoELayer
 
@@ -80,7 +81,7 @@ class SoftMoE(MoELayer):
         y = torch.einsum("bns,bsc->bnc", combine, slot_outputs)
         if self.shared is not None:
             y = y + self.shared.forward_all(tokens.reshape(-1, dim)).reshape(images, tokens.shape[1], y.shape[-1])
-        if not torch.compiler.is_exporting():  # an exported graph is a pure function: no routing state
+        if not exporting():  # an exported graph is a pure function: no routing state
             self.last_dispatch, self.last_combine = dispatch, combine
             self.last_items, self.last_images = images * tokens.shape[1], images
         y = y.reshape(*channels_last.shape[:-1], y.shape[-1])

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import moespec
-from moespec.layers.dispatch import traced_step
+from moespec.layers.dispatch import exporting, traced_step
 
 from ..conftest import make_spec
 
@@ -62,3 +62,19 @@ def test_the_traced_step_is_one_the_fake_kernels_take():
     assert traced_step(torch.bfloat16, cpu, aligned=False) == "padded"
     with torch.autocast("cpu", dtype=torch.bfloat16):  # CPU autocast leaves grouped_mm's inputs as they are
         assert traced_step(torch.float32, cpu, aligned=True) == "padded"
+
+
+def test_exporting_is_true_under_torch_export_only():
+    """The MoE layers take their export path (static pairs, every expert on every item, no routing state) only
+    under torch.export. torch 2.11's Dynamo answered `torch.compiler.is_exporting()` with True under
+    torch.compile too: the layers then ran the export path and left `moespec.aux_loss` an eager step's losses
+    ("backward through the graph a second time" on the next compiled step)."""
+
+    class Probe(torch.nn.Module):
+        def forward(self, x):
+            return x + 1 if exporting() else x - 1
+
+    probe, x = Probe(), torch.zeros(1)
+    assert probe(x).item() == -1
+    assert torch.compile(probe, backend="eager")(x).item() == -1
+    assert torch.export.export(probe, (x,)).module()(x).item() == 1
