@@ -61,10 +61,9 @@ TRACED_GROUPED_DTYPES = (torch.bfloat16, torch.float16)  # what grouped_mm's fak
 
 def traced_step(dtype: torch.dtype, device: torch.device, aligned: bool) -> str:
     """The step while torch.compile traces: nothing is chosen on the sizes (no host sync). grouped_mm where its
-    fake kernel takes the dtype it will run in (bf16 or fp16; under CUDA autocast grouped_mm runs in the
-    autocast dtype, on CPU it is not autocast), else padded."""
-    if device.type == "cuda" and torch.is_autocast_enabled("cuda"):
-        dtype = torch.get_autocast_dtype("cuda")
+    fake kernel takes the rows' dtype (bf16 or fp16), else padded. Autocast does not cast grouped_mm's inputs
+    (seen on CPU with torch 2.14 and on an H200 with torch 2.11): under autocast the fp32 residual stream takes
+    padded, whose batched matmuls autocast runs in the lower precision."""
     return "grouped_mm" if aligned and has_grouped_mm() and dtype in TRACED_GROUPED_DTYPES else "padded"
 
 

@@ -60,7 +60,7 @@ def test_the_traced_step_is_one_the_fake_kernels_take():
     assert traced_step(torch.float32, cpu, aligned=True) == "padded"  # grouped_mm's fake kernel refuses fp32
     assert traced_step(torch.bfloat16, cpu, aligned=True) in ("grouped_mm", "padded")  # grouped_mm if torch has it
     assert traced_step(torch.bfloat16, cpu, aligned=False) == "padded"
-    with torch.autocast("cpu", dtype=torch.bfloat16):  # CPU autocast leaves grouped_mm's inputs as they are
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast leaves grouped_mm's inputs as they are
         assert traced_step(torch.float32, cpu, aligned=True) == "padded"
 
 
