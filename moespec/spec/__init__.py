@@ -1,10 +1,11 @@
 """Stage 1, the spec: YAML to a validated, frozen `Spec`. No torch, no timm.
 
-    fields.py     the base model and number types      registry.py   selectors and router kinds (extension)
+    fields.py     the base model and number types      registry.py   selectors, RouterSpec (a router kind)
     selectors.py  `where:` selectors                    blocks.py     BlockLayout, BackboneSketch: the backbone as data
     models.py     one pydantic model per YAML mapping   problems.py   pydantic errors -> located Problems
     loading.py    load_spec, spec_files, spec_problem   schema.py     the JSON Schema of spec files
     yaml_positions.py  YAML with file:line:col of values   yaml_limits.py  size, depth and alias budgets
+    compat.py     specs of the previous release (top_k and capacity_factor on the group) and `validate --fix`
 """
 
 from .blocks import BackboneSketch, Block, BlockLayout, FFNShape, Rescalable
