@@ -140,6 +140,14 @@ class TopKRouter(Router):
                        load, pairs.kept, pairs.expert)
 
 
+    def extra_repr(self) -> str:
+        extras = [("normalize=True", self.normalize), (f"noise_std={self.noise_std:g}", self.noise_std > 0),
+                  (f"capacity_factor={self.capacity_factor}", self.capacity_factor is not None),
+                  ("bpr=True", self.bpr), (f"drop_fraction={self.drop_fraction:g}", self.drop_fraction > 0),
+                  (f"group={self.group}", self.capacity_factor is not None or self.drop_fraction > 0)]
+        return ", ".join([f"experts={self.num_experts}, top_k={self.top_k}"] + [text for text, on in extras if on])
+
+
 class ImageRouter(Router):
     """Image-level routing (ViMoE): the gate reads one vector per image, the [CLS] token (`pool="cls"`,
     the first token of each image's sequence) or the mean token, and picks top-k experts for every token
@@ -170,6 +178,10 @@ class ImageRouter(Router):
         pairs = group_pairs(token_experts, weights.repeat_interleave(tokens, dim=0), self.num_experts)
         return Routing(probs, logits, pairs.item, pairs.counts, pairs.weights.to(x.dtype), experts[:, 0], weights[:, 0],
                        load_counts(experts, self.num_experts), pairs.kept, pairs.expert)
+
+
+    def extra_repr(self) -> str:
+        return f"experts={self.num_experts}, top_k={self.top_k}, normalize={self.normalize}, pool={self.pool}"
 
 
 class ExpertChoiceRouter(Router):
@@ -217,3 +229,6 @@ class ExpertChoiceRouter(Router):
         top1_value, top1 = probs.max(dim=-1)
         return Routing(probs, logits, item, counts, values.to(x.dtype), top1, top1_value,
                        counts.float(), kept, expert)
+
+    def extra_repr(self) -> str:
+        return f"experts={self.num_experts}, capacity={self.capacity_per_item:g}, group={self.group}"
