@@ -22,19 +22,23 @@ CPU, with m the mean rows per expert:
 The crossovers move with the CPU. The figures the rule was fitted on are in docs/dispatch.md;
 `tools/sweep_dispatch.py` and `tools/bench_moe.py --only layer` measure them again.
 
-CUDA: grouped_mm in bf16 on Hopper or newer (its fast kernels); padded otherwise, which keeps every step on
-the device, where the loop's per-expert launches and host sync cost most.
+Everywhere but on CPU, and while torch.compile or torch.export traces (`sync_free`): grouped_mm, the one step
+with static shapes and no host sync (`grouped.py`: F.grouped_mm, in the autocast dtype under autocast; its fast
+CUDA kernels are bf16 on Hopper or newer). The routing takes the same path there: a capacity's dropped pairs
+stay, with weight 0, after the experts' segments (`routing.group_pairs`), so that no shape depends on the data.
 """
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
-import torch.nn.functional as F
+
+from .grouped import GROUPED_DTYPES, has_grouped_mm
 
 CPU_LOOP_FROM = 128  # mean rows per expert from which the loop is the fastest step on CPU
 CPU_EQUAL_LOOP_FROM = (128, 512)  # equal segments (no padding): the loop from here, forward | autograd records
 CPU_PADDED_WASTE = (1.5, 10.0, 1 / 256)  # below: padded while E x largest <= max(1, 1.5 + 10/m - m/256) x rows
-GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what F.grouped_mm takes (not float64)
 
 
 def traced() -> bool:
@@ -51,20 +55,34 @@ def exporting() -> bool:
     return torch.compiler.is_exporting() if flag is None else bool(flag)
 
 
-def has_grouped_mm() -> bool:
-    """Whether this torch has the public grouped matmul (torch >= 2.9)."""
-    return hasattr(F, "grouped_mm")
+def sync_free(device: torch.device) -> bool:
+    """Whether the MoE layers run the path that never waits for the device (static shapes, no host sync): on
+    every device but the CPU, while torch.compile or torch.export traces, and on CPU inside `device_path()`.
+    On CPU eagerly a host sync costs nothing and data-dependent shapes save work."""
+    return device.type != "cpu" or traced() or _device_path_on_cpu
 
 
-TRACED_GROUPED_DTYPES = (torch.bfloat16, torch.float16)  # what grouped_mm's fake (meta) kernel takes
+_device_path_on_cpu = False
 
 
-def traced_step(dtype: torch.dtype, device: torch.device, aligned: bool) -> str:
-    """The step while torch.compile traces: nothing is chosen on the sizes (no host sync). grouped_mm where its
-    fake kernel takes the rows' dtype (bf16 or fp16), else padded. Autocast does not cast grouped_mm's inputs
-    (seen on CPU with torch 2.14 and on an H200 with torch 2.11): under autocast the fp32 residual stream takes
-    padded, whose batched matmuls autocast runs in the lower precision."""
-    return "grouped_mm" if aligned and has_grouped_mm() and dtype in TRACED_GROUPED_DTYPES else "padded"
+@contextmanager
+def device_path():
+    """Run the MoE layers' GPU path on CPU (static shapes, no host sync, the grouped step): how the tests see
+    on a machine without a GPU what a GPU runs."""
+    global _device_path_on_cpu
+    before, _device_path_on_cpu = _device_path_on_cpu, True
+    try:
+        yield
+    finally:
+        _device_path_on_cpu = before
+
+
+def autocast_dtype(device: torch.device) -> torch.dtype | None:
+    """The dtype autocast computes matmuls in on `device`, or None where autocast is off."""
+    if not hasattr(torch, "get_autocast_dtype"):  # torch < 2.4: the layers' matmuls are autocast's own
+        return None
+    kind = device.type
+    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
 
 
 def auto_step(rows: int, dtype: torch.dtype, device: torch.device, counts: torch.Tensor, aligned: bool,
@@ -75,10 +93,9 @@ def auto_step(rows: int, dtype: torch.dtype, device: torch.device, counts: torch
         aligned: every weight row stride is a multiple of 16 bytes (grouped_mm's kernels need it).
         backward: autograd records this forward (a backward may follow).
     """
+    if sync_free(device):
+        return "grouped_mm"
     grouped = aligned and has_grouped_mm() and dtype in GROUPED_DTYPES
-    if device.type == "cuda":
-        hopper = torch.cuda.get_device_capability(device) >= (9, 0)
-        return "grouped_mm" if grouped and dtype == torch.bfloat16 and hopper else "padded"
     experts = counts.numel()
     if rows >= CPU_LOOP_FROM * experts:
         return "loop"
@@ -94,6 +111,6 @@ def equal_segments_step(rows: int, device: torch.device, backward: bool = False)
     two bmm on the rows themselves, with no scatter, no gather and no waste, so it holds longer than on uneven
     segments. On CPU the loop from 128 rows per expert in a forward that autograd does not record, from 512 in
     one that it does (docs/dispatch.md); elsewhere the bmm."""
-    if device.type != "cpu":
+    if sync_free(device):
         return "padded"
     return "loop" if rows >= CPU_EQUAL_LOOP_FROM[backward] else "padded"

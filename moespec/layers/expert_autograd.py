@@ -3,7 +3,7 @@ parameter's gradient once, in the parameter's own layout [E, ...] (on CPU into m
 the next, `gradient_memory`), where plain autograd would copy a transposed gradient or allocate a full-size one
 per expert.
 
-    ExpertLinear   every expert's linear map at once: padded (`bmm`) or jagged (`F.grouped_mm`) rows
+    ExpertLinear   every expert's linear map at once: padded (`bmm`) or jagged rows (`grouped.segment_mm`)
     SegmentGraphs  the loop step under autograd: a small graph per expert segment
 """
 
@@ -15,12 +15,15 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
+from .dispatch import traced
 from .gradient_memory import empty_gradient
+from .grouped import segment_mm, segment_outer
 
 
 class ExpertLinear(torch.autograd.Function):
     """Every expert's linear map at once, `x @ weight[e].T + bias[e]`, over a padded batch (x [E, M, C], two
-    `bmm`s) or over jagged segments (x [S, C], `F.grouped_mm` at `offsets`, `expert` [S] the expert of each row).
+    `bmm`s) or over jagged segments (x [S, C], `grouped.segment_mm` at `offsets`, `expert` [S] the expert of each row;
+    with `tail`, rows past the last offset give 0).
 
     Its backward writes the weight gradient in the weight's own layout [E, H, C], on CPU into memory kept from
     one backward to the next (`gradient_memory`: a fresh tensor that large is page-faulted in). Through plain autograd,
@@ -31,15 +34,17 @@ class ExpertLinear(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, offsets, expert):
+    def forward(ctx, x, weight, bias, offsets, expert, tail=False):
         ctx.save_for_backward(x, weight, offsets, expert)
-        ctx.has_bias = bias is not None
+        ctx.has_bias, ctx.tail = bias is not None, tail
         if offsets is None:
             if bias is None:
                 return torch.bmm(x, weight.transpose(1, 2))
             return torch.baddbmm(bias.unsqueeze(1), x, weight.transpose(1, 2))
-        y = F.grouped_mm(x, weight.transpose(1, 2), offs=offsets)
-        return y + bias.index_select(0, expert) if bias is not None else y
+        y = segment_mm(x, weight, offsets, tail=tail)
+        if bias is None:
+            return y
+        return y + (F.pad(bias, (0, 0, 0, 1)) if tail else bias).index_select(0, expert)  # tail rows: expert E
 
     @staticmethod
     def backward(ctx, grad):
@@ -52,21 +57,34 @@ class ExpertLinear(torch.autograd.Function):
             grad_x = torch.bmm(grad, weight) if need_x else None
             grad_weight = torch.bmm(grad.transpose(1, 2), x, out=empty_gradient(weight)) if need_weight else None
             grad_bias = grad.sum(1) if ctx.has_bias and need_bias else None
-        else:
-            grad_x = F.grouped_mm(grad, weight, offs=offsets) if need_x else None
-            grad_weight = _grouped_weight_gradient(grad, x, offsets, weight) if need_weight else None
-            if ctx.has_bias and need_bias:
-                grad_bias = grad.new_zeros(weight.shape[0], weight.shape[1]).index_add_(0, expert, grad)
-        return grad_x, grad_weight, grad_bias, None, None
+            return grad_x, grad_weight, grad_bias, None, None, None
+        if need_x:
+            grad_x = segment_mm(grad, weight, offsets, transpose=False, tail=ctx.tail)
+        eager_cpu = grad.device.type == "cpu" and not traced()
+        if need_weight:
+            grad_weight = _weight_gradient_cpu(grad, x, offsets, weight) if eager_cpu else segment_outer(grad, x,
+                                                                                                          offsets)
+        if ctx.has_bias and need_bias:
+            if eager_cpu:
+                experts = weight.shape[0]
+                grad_bias = grad.new_zeros(experts + ctx.tail, weight.shape[1]).index_add_(0, expert, grad)[:experts]
+            else:  # deterministic, and no atomics piling onto E rows as in index_add_ on a GPU
+                grad_bias = segment_sum(grad, offsets)
+        return grad_x, grad_weight, grad_bias, None, None, None
 
 
-def _grouped_weight_gradient(grad: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor,
-                             weight: torch.Tensor) -> torch.Tensor:
-    """[E, H, C] sum over each expert's rows of grad [S, H] x x [S, C], zero for experts without rows. On CPU one
-    mm per expert into the gradient's kept memory (`empty_gradient`; grouped_mm has no out=): 5 ms where
+def segment_sum(rows: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """[E, N]: the sum of each expert's rows of `rows` [S, N], as a grouped matmul with a column of ones (padded
+    to 16 bytes, what the grouped kernels need)."""
+    ones = rows.new_ones(rows.shape[0], max(1, 16 // rows.element_size()))
+    return segment_outer(rows, ones, offsets)[..., 0]
+
+
+def _weight_gradient_cpu(grad: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor,
+                         weight: torch.Tensor) -> torch.Tensor:
+    """[E, H, C] sum over each expert's rows of grad [S, H] x x [S, C], zero for experts without rows: one mm
+    per expert into the gradient's kept memory (`empty_gradient`; grouped_mm has no out=): 5 ms where
     grouped_mm's fresh tensor took 18 ms for 32 experts at ViT-S width, the same for 8."""
-    if grad.device.type != "cpu":
-        return F.grouped_mm(grad.t(), x, offs=offsets)
     out, start = empty_gradient(weight), 0
     for e, end in enumerate(offsets.tolist()):
         torch.mm(grad[start:end].t(), x[start:end], out=out[e])  # no rows: zeros

@@ -61,14 +61,18 @@ class ExpertParallel(Experts):
             world, rank
         return shard
 
-    def forward(self, x: torch.Tensor, counts: torch.Tensor, groups: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, counts: torch.Tensor, groups: torch.Tensor | None = None, *,
+                tail: bool = False) -> torch.Tensor:
         """Rows `x` [S, C] sorted by global expert, `counts` [E]; returns their expert outputs [S, C'] in the
-        same order, computed on the ranks that hold the experts."""
+        same order, computed on the ranks that hold the experts (0 for the `tail` rows past sum(counts))."""
         world, local = self.world, self.local_experts
         received = torch.empty_like(counts)
         dist.all_to_all_single(received, counts, group=self.group)  # [W * L]: from each rank, per local expert
         # the layer's one host sync: the split sizes must be on the host to size the receive buffers
         send, recv = torch.stack([counts.view(world, local).sum(1), received.view(world, local).sum(1)]).tolist()
+        rows_in = x.shape[0]
+        if tail:  # the pairs left out stay here, with output 0
+            x, groups = x[:sum(send)], groups[:sum(send)] if groups is not None else None
         rows = AllToAll.apply(x, recv, send, self.group)
         order, local_counts = expert_major(received.view(world, local), rows.shape[0])
         local_groups = None
@@ -85,7 +89,8 @@ class ExpertParallel(Experts):
             # the experts get the zero gradient that one process gives them
             out = out + (rows.sum() + sum(p.sum() for p in self.parameters())) * 0
         back = out.new_empty(out.shape).index_copy(0, order, out)  # expert-major -> rank-major
-        return AllToAll.apply(back, send, recv, self.group)
+        back = AllToAll.apply(back, send, recv, self.group)
+        return torch.cat([back, back.new_zeros(rows_in - back.shape[0], back.shape[-1])]) if tail else back
 
     def _segmentwise(self, items: torch.Tensor, rows: torch.Tensor, counts: torch.Tensor) -> bool:
         """Never: the rows are gathered and sent to the ranks that hold their experts (`forward`)."""

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .dispatch import auto_step, equal_segments_step, traced, traced_step
+from .dispatch import auto_step, autocast_dtype, equal_segments_step, sync_free
 from .expert_autograd import ExpertLinear, SegmentGraphs, expert_segments
 from .routing import at_least_fp32
 
@@ -129,26 +129,34 @@ class Experts(nn.Module):
         norm = 5 * self.hidden if self.inner_norm in ("layernorm", "layernorm_before_act") else 0
         return self.fc1.in_features * self.fc1.out_features + self.fc2.in_features * self.fc2.out_features + norm
 
-    def forward(self, x: torch.Tensor, counts: torch.Tensor, groups: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, counts: torch.Tensor, groups: torch.Tensor | None = None, *,
+                tail: bool = False) -> torch.Tensor:
         """Run expert e on rows `x[offset_e : offset_e + counts[e]]`.
 
         Args:
             x: [S, C] routed items sorted by expert.
-            counts: [E] items per expert (summing to S), on x's device.
+            counts: [E] items per expert (summing to S, or less with `tail`), on x's device.
             groups: [S] image index of each row; needed only by the "grn" inner norm.
+            tail: rows past sum(counts) may follow (pairs a capacity dropped, kept by the sync-free routing
+                for static shapes); their outputs are 0.
         Returns:
             [S, C'] expert outputs in the same order.
         """
-        return self._run(self.strategy(x, counts), x, counts, groups)
+        return self._run(self.strategy(x, counts), x, counts, groups, tail)
 
-    def _run(self, step: str, x: torch.Tensor, counts: torch.Tensor, groups: torch.Tensor | None) -> torch.Tensor:
+    def _run(self, step: str, x: torch.Tensor, counts: torch.Tensor, groups: torch.Tensor | None,
+             tail: bool = False) -> torch.Tensor:
         """Rows x [S, C] sorted by expert through `step`."""
+        if step == "grouped_mm":
+            return self._grouped(x, counts, tail)
+        if tail:  # the other steps read the counts on the host anyway: run the segments' rows, pad with 0
+            kept = int(counts.sum())
+            out = self._run(step, x[:kept], counts, groups[:kept] if groups is not None else None)
+            return torch.cat([out, out.new_zeros(x.shape[0] - kept, out.shape[-1])])
         if step == "loop":
             return self._loop(x, counts, groups)
         expert = torch.repeat_interleave(torch.arange(self.local_experts, device=x.device), counts,
                                          output_size=x.shape[0])  # expert of each row
-        if step == "grouped_mm":
-            return self._grouped(x, counts, expert)
         return self._padded(x, counts, expert)
 
     dispatch: Dispatch = "auto"  # set on an instance (or the class) to force one expert step
@@ -164,13 +172,11 @@ class Experts(nn.Module):
             return "loop"
         if self.dispatch != "auto":
             return self.dispatch
-        if traced():
-            return traced_step(like.dtype, like.device, self._aligned(like.element_size()))
         return auto_step(rows, like.dtype, like.device, counts, self._aligned(like.element_size()),
                          backward=self._records_graph(like))
 
     def combine(self, items: torch.Tensor, rows: torch.Tensor, counts: torch.Tensor, weights: torch.Tensor,
-                groups: torch.Tensor | None = None) -> torch.Tensor:
+                groups: torch.Tensor | None = None, *, tail: bool = False) -> torch.Tensor:
         """The routed experts' part of an MoE layer: y[t] = sum over pairs p with rows[p] = t of
         weights[p] * expert_p(items[t]); 0 for an item in no pair.
 
@@ -179,6 +185,7 @@ class Experts(nn.Module):
             rows: [P] item of each (item, expert) pair, pairs sorted by expert; counts: [E] pairs per expert.
             weights: [P] gate value of each pair.
             groups: [T] image index of each item; needed only by the "grn" inner norm.
+            tail: pairs past sum(counts) follow, with weight 0 (`forward`).
         Returns:
             [T, C'].
 
@@ -189,7 +196,8 @@ class Experts(nn.Module):
         if self._segmentwise(items, rows, counts):
             return self._loop_combine(items, rows, counts, weights, groups)
         # index_select, not items[rows]: 4x faster on CPU, and so is its backward
-        out = self(items.index_select(0, rows), counts, groups.index_select(0, rows) if groups is not None else None)
+        out = self(items.index_select(0, rows), counts, groups.index_select(0, rows) if groups is not None else None,
+                   tail=tail)
         return _scatter_weighted(out, rows, weights, items.shape[0])
 
     def _segmentwise(self, items: torch.Tensor, rows: torch.Tensor, counts: torch.Tensor) -> bool:
@@ -254,9 +262,10 @@ class Experts(nn.Module):
     def _equal_segments(self, x: torch.Tensor) -> torch.Tensor:
         """The experts stacked here on x [local_experts, M, C], M rows each, by the forced step or the one
         `dispatch.equal_segments_step` picks: padded has nothing to pad, so it is two bmm on x itself; the loop
-        on CPU from 128 rows per expert in forward, 512 under autograd. Traced (export, compile): the bmm."""
+        on CPU from 128 rows per expert in forward, 512 under autograd. Sync-free (a GPU, export, compile):
+        the bmm."""
         experts, rows, dim = x.shape
-        if traced():  # torch.export, torch.compile: no choice made on the sizes, no host sync
+        if sync_free(x.device):  # no choice made on the sizes, no host sync
             return self._stacked(x)
         flat = x.reshape(experts * rows, dim)
         step = self.dispatch
@@ -273,14 +282,25 @@ class Experts(nn.Module):
         norm = [p.unsqueeze(1) if p is not None else None for p in (norm_w, norm_b)]  # [E, 1, H]: per row
         return self._expert(x, [w1, b1, *norm, w2, b2], None)
 
-    def _grouped(self, x: torch.Tensor, counts: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
-        """`F.grouped_mm` over the jagged segments (offsets stay on the device: no host sync)."""
+    def _grouped(self, x: torch.Tensor, counts: torch.Tensor, tail: bool) -> torch.Tensor:
+        """Grouped matmuls over the jagged segments (`grouped.segment_mm`): static shapes, and the offsets stay
+        on the device (no host sync). Under autocast the rows and weights go in autocast's dtype, as they would
+        through `F.linear` (autocast does not cast a custom op's inputs)."""
         offsets = torch.cumsum(counts, 0).to(torch.int32)
         w1, b1, norm_w, norm_b, w2, b2 = self._param_list()
+        if tail:  # rows past the last segment get expert E, whose bias and norm parameters are 0, and output 0
+            expert = torch.bucketize(torch.arange(x.shape[0], device=x.device), offsets, right=True)
+            norm_w, norm_b = [None if p is None else F.pad(p, (0, 0, 0, 1)) for p in (norm_w, norm_b)]
+        else:
+            expert = torch.repeat_interleave(torch.arange(self.local_experts, device=x.device), counts,
+                                             output_size=x.shape[0])
+        cast = autocast_dtype(x.device)
+        if cast is not None:
+            x, w1, b1, w2, b2 = [None if t is None else t.to(cast) for t in (x, w1, b1, w2, b2)]
         rowwise = [None if p is None else p.index_select(0, expert) for p in (norm_w, norm_b)]  # per row
 
         def linear(h, weight, bias):
-            return ExpertLinear.apply(h, weight, bias, offsets, expert)
+            return ExpertLinear.apply(h.to(weight.dtype), weight, bias, offsets, expert, tail)
 
         return self._expert(x, [w1, b1, *rowwise, w2, b2], None, linear=linear)
 

@@ -54,7 +54,7 @@ class MoE(MoELayer):
         self.aux_loss_in_backward = aux_loss_in_backward
         self.aux_loss_backward_scale = aux_loss_backward_scale
         self.grad_scaler = None  # a torch.amp.GradScaler whose current scale multiplies the aux gradient
-        self.aux_losses: dict[str, torch.Tensor] = {}
+        self.computed_aux_losses: dict[str, torch.Tensor] = {}  # the kinds forward computed (`aux_losses`)
         self.last_routing: Routing | None = None
         self.last_items = self.last_images = 0
 
@@ -62,7 +62,7 @@ class MoE(MoELayer):
         """A copy or pickle is of the layer, not of its last forward: the records that hold that forward's graph
         start empty, as in a fresh layer (`copy.deepcopy` refuses tensors inside a graph, so copying a model
         after a forward, as an EMA or a kept best model does, raised)."""
-        return {**self.__dict__, "aux_losses": {}, "last_routing": None, "last_items": 0, "last_images": 0}
+        return {**self.__dict__, "computed_aux_losses": {}, "last_routing": None, "last_items": 0, "last_images": 0}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         channels_last = x if self.channels_dim in (-1, x.dim() - 1) else x.movedim(self.channels_dim, -1)
@@ -77,18 +77,31 @@ class MoE(MoELayer):
         if static:
             y = self._dense_combine(items, routing)
         else:
-            y = self.experts.combine(items, routing.item, routing.counts, routing.weights, groups)
+            y = self.experts.combine(items, routing.item, routing.counts, routing.weights, groups, tail=routing.tail)
         if self.shared is not None:
             y = y + self.shared.forward_all(items, groups)
         if not static:  # an exported graph is a pure function: no routing state, no aux loss
             self.last_routing, self.last_items, self.last_images = routing, items.shape[0], images
-            self.aux_losses = {kind: fn(routing) for kind, fn in AUX_LOSSES.items()}
+            kinds = AUX_LOSSES if routing.group is not None else self.aux_loss_weights  # see `aux_losses`
+            self.computed_aux_losses = {kind: AUX_LOSSES[kind](routing) for kind in kinds}
             loss = self.weighted_aux_loss() if self.aux_loss_in_backward else None
             if loss is not None and loss.requires_grad:
                 BACKWARD_SCALE_CHECK.on_forward(self, x)
                 y = AuxLossAutoScaler.apply(y, loss, self.backward_scale)
         y = y.reshape(*channels_last.shape[:-1], y.shape[-1])
         return y if channels_last is x else y.movedim(-1, self.channels_dim)
+
+    @property
+    def aux_losses(self) -> dict[str, torch.Tensor]:
+        """Every aux-loss kind's value for the last forward ({} before one). Forward computes only the weighted
+        kinds (a dozen small kernels fewer per layer on a GPU); the others are computed from the last routing
+        when asked for (logging). Expert-parallel layers compute all of them in forward: theirs are collectives,
+        which every rank must run."""
+        routing = self.last_routing
+        if routing is None:
+            return {}
+        done = self.computed_aux_losses
+        return {kind: done[kind] if kind in done else loss(routing) for kind, loss in AUX_LOSSES.items()}
 
     def backward_scale(self) -> float:
         """The aux gradient's scale, read in backward: `aux_loss_backward_scale`, times the current scale of a
@@ -155,9 +168,9 @@ class MoE(MoELayer):
 
     def weighted_aux_loss(self) -> torch.Tensor | None:
         """Sum of weight * aux loss of the last forward (None before the first forward or without weights)."""
-        if not self.aux_losses or not self.aux_loss_weights:
+        if not self.computed_aux_losses or not self.aux_loss_weights:
             return None
-        return sum(weight * self.aux_losses[kind] for kind, weight in self.aux_loss_weights.items())
+        return sum(weight * self.computed_aux_losses[kind] for kind, weight in self.aux_loss_weights.items())
 
     def extra_repr(self) -> str:
         return f"experts={self.num_experts}, channels_dim={self.channels_dim}"

@@ -18,9 +18,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .dispatch import exporting
+from .dispatch import exporting, sync_free
 from .interfaces import Router
-from .routing import Groups, Routing, at_least_fp32, group_pairs, items_per_image, load_counts, smooth_load
+from .routing import (
+    Groups,
+    Routing,
+    at_least_fp32,
+    group_pairs,
+    items_per_image,
+    load_counts,
+    smooth_load,
+    stable_argsort,
+)
 
 
 class LinearGate(nn.Module):
@@ -130,14 +139,14 @@ class TopKRouter(Router):
         groups = Groups.of(x.shape[0], images, self.group, self.training)
         dispatched = None
         if self.drop_fraction > 0:  # the lowest top-1 gates of each group
-            dropped = torch.tensor([math.floor(self.drop_fraction * n) for n in groups.sizes()], device=x.device)
+            dropped = groups.per_group([math.floor(self.drop_fraction * n) for n in groups.sizes()], x.device)
             rank = groups.rank(weights[:, 0], x.device)
             dispatched = rank >= dropped[groups.of_item(x.device)]
         capacity = None if self.capacity_factor is None else [self.capacity(n) for n in groups.sizes()]
         pairs = group_pairs(experts, weights, self.num_experts, priority=weights[:, 0] if self.bpr else None,
                             capacity=capacity, groups=groups, dispatched=dispatched)
         return Routing(probs, logits, pairs.item, pairs.counts, pairs.weights.to(x.dtype), experts[:, 0], weights[:, 0],
-                       load, pairs.kept, pairs.expert)
+                       load, pairs.kept, pairs.expert, tail=pairs.tail)
 
 
     def extra_repr(self) -> str:
@@ -218,17 +227,23 @@ class ExpertChoiceRouter(Router):
         expert = expert.expand_as(item)
         item, values, expert = item.reshape(-1), values.reshape(-1), expert.reshape(-1)
         counts = torch.full((experts,), sum(capacity), dtype=torch.long, device=x.device)
+        tail = False
         if capacity[-1] < capacity[0]:  # keep only the last group's own C choices
-            keep = (torch.arange(capacity[0], device=x.device) < torch.tensor(capacity, device=x.device).view(-1, 1))
+            keep = torch.arange(capacity[0], device=x.device) < groups.per_group(capacity, x.device).view(-1, 1)
             keep = keep.expand(experts, count, capacity[0]).reshape(-1)
             if exporting():
                 values, item = values * keep, item.clamp(max=x.shape[0] - 1)
+            elif sync_free(x.device):  # the choices left out after the segments, with weight 0 (`Routing.tail`)
+                last = stable_argsort((~keep).to(torch.uint8))
+                item, values, expert = item[last].clamp(max=x.shape[0] - 1), (values * keep)[last], expert[last]
+                keep, tail = keep[last], True
             else:
                 item, values, expert = item[keep], values[keep], expert[keep]
-        kept = torch.zeros(x.shape[0], dtype=torch.bool, device=x.device).index_fill_(0, item, True)
+        kept = torch.zeros(x.shape[0], dtype=torch.bool, device=x.device)
+        kept = kept.index_put_((item,), keep, accumulate=True) if tail else kept.index_fill_(0, item, True)
         top1_value, top1 = probs.max(dim=-1)
         return Routing(probs, logits, item, counts, values.to(x.dtype), top1, top1_value,
-                       counts.float(), kept, expert)
+                       counts.float(), kept, expert, tail=tail)
 
     def extra_repr(self) -> str:
         return f"experts={self.num_experts}, capacity={self.capacity_per_item:g}, group={self.group}"

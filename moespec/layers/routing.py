@@ -8,10 +8,9 @@ from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
 import torch
-import torch.nn.functional as F
 
 from .collectives import all_reduce_sum
-from .dispatch import exporting
+from .dispatch import exporting, sync_free
 
 
 @dataclass
@@ -30,6 +29,8 @@ class Routing:
         expert: [P] expert of each pair.
         group: the process group of an expert-parallel layer (None in one process): aux losses and statistics
             sum over it (`total`), so that they equal one process's on the whole batch.
+        tail: pairs a capacity or a drop left out follow the experts' segments, with weight 0 (sync-free
+            routing keeps every choice, so that no shape depends on the data); sum(counts) < P then.
     """
 
     probs: torch.Tensor
@@ -43,6 +44,7 @@ class Routing:
     kept: torch.Tensor
     expert: torch.Tensor | None = None
     group: object = None
+    tail: bool = False
 
     @property
     def num_experts(self) -> int:
@@ -75,6 +77,12 @@ class Groups:
     def sizes(self) -> list[int]:
         """Items in each group (the last may be shorter)."""
         return [self.items] * (self.count - 1) + [self.total - self.items * (self.count - 1)]
+
+    def per_group(self, values: list[int], device: torch.device) -> torch.Tensor:
+        """[G] one value per group (`values`, all equal but the last), made on the device without a copy from the
+        host (which waits for the device)."""
+        last = torch.arange(self.count, device=device) == self.count - 1
+        return torch.where(last, values[-1], values[0])
 
     def of_item(self, device: torch.device) -> torch.Tensor:
         """[T] group index of each item."""
@@ -120,6 +128,7 @@ class Pairs(NamedTuple):
     weights: torch.Tensor  # [P] gate value of each pair
     expert: torch.Tensor  # [P] expert of each pair
     kept: torch.Tensor  # [T] whether the item is in at least one pair (of non-zero weight, when static)
+    tail: bool = False  # pairs left out follow the segments, with weight 0 (`Routing.tail`)
 
 
 def group_pairs(experts: torch.Tensor, weights: torch.Tensor, num_experts: int, *,
@@ -131,8 +140,10 @@ def group_pairs(experts: torch.Tensor, weights: torch.Tensor, num_experts: int, 
     group), each expert keeps, in each group, its first `capacity[g]` pairs in fill order: first choices
     before second choices, then by item position, or by `priority` [T] descending (BPR).
 
-    While `torch.export` traces (`static`), every one of the T * k choices stays a pair and a dropped one
-    gets weight 0, so that no shape depends on the data; the MoE layer then combines densely.
+    The pairs left out are dropped on CPU. On the sync-free path (`dispatch.sync_free`: a GPU, torch.compile)
+    they stay, with weight 0, after the experts' segments (`tail`), so that no shape depends on the data.
+    While `torch.export` traces (`static`), every one of the T * k choices stays in its expert's segment with
+    weight 0 if dropped; the MoE layer then combines densely.
     """
     static = exporting()
     tokens, top_k = experts.shape
@@ -156,7 +167,7 @@ def group_pairs(experts: torch.Tensor, weights: torch.Tensor, num_experts: int, 
     expert = flat[order]
     keep = expert < num_experts
     if capacity is not None:
-        limit = torch.tensor(capacity, device=device).repeat(num_experts + 1)  # per bucket
+        limit = groups.per_group(capacity, device).repeat(num_experts + 1)  # per bucket
         starts = torch.cumsum(counts, 0) - counts
         position = torch.arange(order.numel(), device=device) - starts[bucket[order]]  # rank within its bucket
         keep = keep & (position < limit[bucket[order]])
@@ -167,11 +178,23 @@ def group_pairs(experts: torch.Tensor, weights: torch.Tensor, num_experts: int, 
         item = order // top_k
         kept = torch.zeros(tokens, dtype=torch.bool, device=device).index_put_((item,), keep, accumulate=True)
         return Pairs(item, counts, pair_weights * keep, expert.clamp(max=num_experts - 1), kept)
-    if capacity is not None or dispatched is not None:
-        order, pair_weights, expert = order[keep], pair_weights[keep], expert[keep]
+    if capacity is None and dispatched is None:
+        item = order // top_k
+        return Pairs(item, counts, pair_weights, expert, _covered(item, tokens))
+    if sync_free(device):  # the pairs left out after the segments (a stable sort keeps them grouped by expert)
+        last = stable_argsort((~keep).to(torch.uint8))
+        order, pair_weights, keep = order[last], pair_weights[last] * keep[last], keep[last]
+        item = order // top_k
+        kept = torch.zeros(tokens, dtype=torch.bool, device=device).index_put_((item,), keep, accumulate=True)
+        return Pairs(item, counts, pair_weights, expert[last].clamp(max=num_experts - 1), kept, tail=True)
+    order, pair_weights, expert = order[keep], pair_weights[keep], expert[keep]
     item = order // top_k
-    kept = torch.zeros(tokens, dtype=torch.bool, device=device).index_fill_(0, item, True)
-    return Pairs(item, counts, pair_weights, expert, kept)
+    return Pairs(item, counts, pair_weights, expert, _covered(item, tokens))
+
+
+def _covered(item: torch.Tensor, tokens: int) -> torch.Tensor:
+    """[tokens] whether each item is in `item`."""
+    return torch.zeros(tokens, dtype=torch.bool, device=item.device).index_fill_(0, item, True)
 
 
 def smooth_load(logits: torch.Tensor, noisy: torch.Tensor, top_k: int, noise_std: float,
@@ -221,11 +244,10 @@ def importance_load_loss(routing: Routing) -> torch.Tensor:
 def switch_loss(routing: Routing) -> torch.Tensor:
     """Fedus et al. 2021: E * sum_i f_i * P_i, f_i = share of units whose top-1 is i, P_i = mean prob of i."""
     experts, probs = routing.num_experts, routing.probs
+    top1 = load_counts(routing.top1, experts)  # not F.one_hot, which checks its input's range on the host
     if routing.group is None:  # sums over max(units, 1): 0, not NaN, for an empty batch
-        top1, units = F.one_hot(routing.top1, experts).float(), max(probs.shape[0], 1)
-        return experts * (top1.sum(dim=0) / units * probs.sum(dim=0) / units).sum()
-    top1 = torch.zeros(experts, device=probs.device).index_add_(0, routing.top1, torch.ones_like(routing.top1,
-                                                                                               dtype=torch.float))
+        units = max(probs.shape[0], 1)
+        return experts * (top1 / units * probs.sum(dim=0) / units).sum()
     top1, importance, units = routing.total(top1, probs.sum(dim=0), probs.new_tensor(probs.shape[0]))
     units = units.clamp(min=1)
     return experts * (top1 / units * importance / units).sum()

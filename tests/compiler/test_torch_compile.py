@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import moespec
-from moespec.layers.dispatch import exporting, traced_step
+from moespec.layers.dispatch import exporting
 
 from ..conftest import make_spec
 
@@ -53,15 +53,6 @@ def test_compiled_training_under_bf16_autocast_matches_eager(router):
     torch._dynamo.reset()
     eager = _losses(ROUTERS[router], compiled=False, autocast=True)
     assert _losses(ROUTERS[router], compiled=True, autocast=True) == pytest.approx(eager, rel=2e-2)
-
-
-def test_the_traced_step_is_one_the_fake_kernels_take():
-    cpu = torch.device("cpu")
-    assert traced_step(torch.float32, cpu, aligned=True) == "padded"  # grouped_mm's fake kernel refuses fp32
-    assert traced_step(torch.bfloat16, cpu, aligned=True) in ("grouped_mm", "padded")  # grouped_mm if torch has it
-    assert traced_step(torch.bfloat16, cpu, aligned=False) == "padded"
-    with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast leaves grouped_mm's inputs as they are
-        assert traced_step(torch.float32, cpu, aligned=True) == "padded"
 
 
 def test_exporting_is_true_under_torch_export_only():

@@ -1,0 +1,97 @@
+"""The jagged expert matmuls of the grouped step, as torch custom ops: opaque to torch.compile, with their own
+fake (shape) functions, so that a compiled MoE layer has static shapes and no graph break in any dtype.
+(torch's own `_grouped_mm` has a fake kernel that takes only bf16 / fp16: torch.compile of an fp32 layer
+stopped in it.)
+
+    segment_mm(x, weight, offsets, transpose, tail)   y[r] = x[r] @ weight[e].T (or weight[e]), r in e's rows
+    segment_outer(a, b, offsets)                       [E, M, N]: sum over e's rows of a[r]^T b[r]
+
+Rows are sorted by expert; expert e owns rows [offsets[e-1], offsets[e]) (offsets int32 [E], on the device:
+no host sync). With `tail`, rows past offsets[-1] (pairs a capacity dropped, kept for static shapes) give 0.
+
+Each op runs `F.grouped_mm` where this torch has it for the dtype and the strides are 16-byte aligned (on CUDA
+the fast kernels are bf16 on Hopper or newer), else one matmul per segment, which reads the offsets on the
+host. (Eager on CPU, `ExpertLinear` computes the weight gradient with one matmul per expert into memory kept
+between backwards instead, `gradient_memory`.)
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what F.grouped_mm computes in (not float64)
+
+
+def has_grouped_mm() -> bool:
+    """Whether this torch has the public grouped matmul (torch >= 2.9)."""
+    return hasattr(F, "grouped_mm")
+
+
+def _grouped(like: torch.Tensor, *widths: int) -> bool:
+    """Whether F.grouped_mm takes operands of `like`'s dtype with these feature widths: its dtypes, and every
+    row stride a multiple of 16 bytes."""
+    if not has_grouped_mm() or like.dtype not in GROUPED_DTYPES:
+        return False
+    return all(width * like.element_size() % 16 == 0 for width in widths)
+
+
+def _segments(offsets: torch.Tensor):
+    """(expert, row slice) of every expert segment (reads the offsets on the host)."""
+    start = 0
+    for e, end in enumerate(offsets.tolist()):
+        yield e, slice(start, end)
+        start = end
+
+
+def _zero_tail(y: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """y with its rows past offsets[-1] set to 0 (the grouped kernels leave them unwritten)."""
+    rows = torch.arange(y.shape[0], device=y.device)
+    return y.masked_fill_((rows >= offsets[-1:]).unsqueeze(-1), 0) if offsets.numel() else y.zero_()
+
+
+def _segment_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, transpose: bool,
+                tail: bool) -> torch.Tensor:
+    w = weight.transpose(1, 2) if transpose else weight  # [E, K, N]
+    if _grouped(x, *w.shape[1:]):
+        y = F.grouped_mm(x, w, offs=offsets)
+        return _zero_tail(y, offsets) if tail else y
+    y = (x.new_zeros if tail else x.new_empty)(x.shape[0], w.shape[-1])
+    for e, rows in _segments(offsets):
+        torch.mm(x[rows], w[e], out=y[rows])
+    return y
+
+
+def _segment_outer(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    if _grouped(a, a.shape[1], b.shape[1]):
+        return F.grouped_mm(a.t(), b, offs=offsets)
+    out = a.new_empty(offsets.shape[0], a.shape[1], b.shape[1])
+    for e, rows in _segments(offsets):
+        torch.mm(a[rows].t(), b[rows], out=out[e])  # no rows: zeros
+    return out
+
+
+if hasattr(torch.library, "custom_op"):  # torch >= 2.4: opaque to torch.compile
+    _segment_mm = torch.library.custom_op("moespec::segment_mm", mutates_args=())(_segment_mm)
+    _segment_outer = torch.library.custom_op("moespec::segment_outer", mutates_args=())(_segment_outer)
+
+    @_segment_mm.register_fake
+    def _(x, weight, offsets, transpose, tail):
+        return x.new_empty(x.shape[0], weight.shape[1] if transpose else weight.shape[2])
+
+    @_segment_outer.register_fake
+    def _(a, b, offsets):
+        return a.new_empty(offsets.shape[0], a.shape[1], b.shape[1])
+
+
+def segment_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, *, transpose: bool = True,
+               tail: bool = False) -> torch.Tensor:
+    """[S, N]: row r of x [S, K] times weight[e].T (weight [E, N, K]; `transpose=False`: weight[e], weight
+    [E, K, N]), e the expert whose segment holds r. With `tail`, rows past offsets[-1] give 0."""
+    return _segment_mm(x, weight, offsets, transpose, tail)
+
+
+def segment_outer(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """[E, M, N]: sum over the rows r of expert e of a[r]^T b[r] (a [S, M], b [S, N]); 0 for an expert without
+    rows; rows past offsets[-1] take no part."""
+    return _segment_outer(a, b, offsets)
