@@ -1,7 +1,8 @@
 """The GPU figures of issue 35: the layer against its equal-FLOP dense FFN, the default step against the forced
 ones, whole-model training-step efficiency (eager and compiled), and the host-sync check.
 
-    python tools/bench_gpu.py [--quick] [--only layer|model|sync] [--compile SPEC ...] [--json out.json]
+    python tools/bench_gpu.py [--quick] [--only layer|model|sync] [--compile SPEC ...] [--precision bf16 autocast]
+                              [--family gelu swiglu] [--tokens 12608 50432] [--json out.json]
 
 1. Layer (`layer`): d = 768, expert width 3072 (ViT-B), GELU experts with biases (timm's Mlp) and SwiGLU experts
    without (timm's SwiGLU, bias=False), E in {8, 32}, k in {1, 2}, T in {12608, 50432} (64 or 256 images of
@@ -79,13 +80,14 @@ def _train(module, x):
         p.grad = None
 
 
-def layer_bench(device, quick: bool) -> list[dict]:
+def layer_bench(device, quick: bool, precisions=("bf16", "autocast"), families=("gelu", "swiglu"),
+                tokens_list=(12608, 50432)) -> list[dict]:
     dim, hidden = (64, 256) if quick else (768, 3072)
-    token_counts = (128 * 4,) if quick else (12608, 50432)
+    token_counts = (128 * 4,) if quick else tokens_list
     repeats = 3 if quick else 15
     rows = []
-    for precision in ("bf16", "autocast"):
-        for family in ("gelu", "swiglu"):
+    for precision in precisions:
+        for family in families:
             for experts in (8, 32):
                 for top_k in (1, 2):
                     for tokens in token_counts:
@@ -216,6 +218,9 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--only", choices=["layer", "model", "sync"], action="append")
     parser.add_argument("--compile", nargs="*", default=[], help="specs whose compiled step is timed too")
+    parser.add_argument("--precision", nargs="+", default=["bf16", "autocast"], choices=["bf16", "autocast"])
+    parser.add_argument("--family", nargs="+", default=["gelu", "swiglu"], choices=["gelu", "swiglu"])
+    parser.add_argument("--tokens", nargs="+", type=int, default=[12608, 50432])
     parser.add_argument("--json", help="also write the figures to this file")
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -226,7 +231,7 @@ def main() -> None:
     if "sync" in only:
         figures["sync"] = sync_check(device)
     if "layer" in only:
-        figures["layer"] = layer_bench(device, args.quick)
+        figures["layer"] = layer_bench(device, args.quick, args.precision, args.family, args.tokens)
     if "model" in only:
         figures["model"] = model_bench(device, args.quick, args.compile)
     if args.json:

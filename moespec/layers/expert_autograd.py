@@ -4,6 +4,8 @@ the next, `gradient_memory`), where plain autograd would copy a transposed gradi
 per expert.
 
     ExpertLinear   every expert's linear map at once: padded (`bmm`) or jagged rows (`grouped.segment_mm`)
+    GatherPairs    the items of the sorted (item, expert) pairs; backward by gathers, not a scatter-add
+    CombinePairs   each item's k expert outputs, weighted and summed (with fc2's bias); backward by gathers
     SegmentGraphs  the loop step under autograd: a small graph per expert segment
 """
 
@@ -90,6 +92,73 @@ def _weight_gradient_cpu(grad: torch.Tensor, x: torch.Tensor, offsets: torch.Ten
         torch.mm(grad[start:end].t(), x[start:end], out=out[e])  # no rows: zeros
         start = end
     return out
+
+
+class GatherPairs(torch.autograd.Function):
+    """rows [P, C] = items[item[r]] for the P = T * k sorted pairs. Backward sums each item's k row gradients by
+    a gather at `position` [T, k] (where each item's choices sit among the pairs), where autograd's index_select
+    backward scatter-adds with atomics (on a GPU, a bf16 atomic add per element: a third of a forward's time at
+    ViT-B width)."""
+
+    @staticmethod
+    def forward(ctx, items, item, position):
+        ctx.save_for_backward(position)
+        return items.index_select(0, item)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        (position,) = ctx.saved_tensors
+        rows = grad.index_select(0, position.reshape(-1)).view(*position.shape, grad.shape[-1])
+        return rows.sum(1) if position.shape[1] > 1 else rows.squeeze(1), None, None
+
+
+class CombinePairs(torch.autograd.Function):
+    """y[t] = sum over j < k of weights[t, j] * (out[position[t, j]] + bias[experts[t, j]]): each item's k
+    expert outputs (rows of `out`, sorted by expert) weighted by their gates and summed, with the experts'
+    output bias (None: none) folded in as gates @ bias. Every pass runs over [T, C'] or the gathered rows once;
+    backward gathers at `order` [P] (the pair of each sorted row), never scatter-adds.
+
+    Args:
+        out: [P, C'] expert outputs of the sorted pairs; weights: [T, k] gate of each choice (0: dropped);
+        position: [T, k] sorted row of each choice; order: [P] its inverse (row -> t * k + j);
+        experts: [T, k] expert of each choice; bias: [E, C'] or None.
+    """
+
+    @staticmethod
+    def forward(ctx, out, weights, position, order, experts, bias):
+        tokens, k = weights.shape
+        picked = out.index_select(0, position.reshape(-1)).view(tokens, k, out.shape[-1])
+        dtype = torch.promote_types(out.dtype, weights.dtype)
+        gates = None
+        if bias is not None:  # sum_j w_j * bias[e_j] = gates @ bias, gates [T, E]
+            gates = weights.new_zeros(tokens, bias.shape[0]).scatter_add_(1, experts, weights)
+            y = torch.mm(gates.to(bias.dtype), bias).to(dtype)
+        else:
+            y = None
+        for j in range(k):  # out of place: torch 2.11's compile got the gradients wrong after an in-place addcmul_
+            choice, gate = picked[:, j], weights[:, j:j + 1]
+            y = choice * gate if y is None else torch.addcmul(y, choice, gate)
+        ctx.save_for_backward(picked, weights, order, experts, bias, gates)
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        picked, weights, order, experts, bias, gates = ctx.saved_tensors
+        need_out, need_weights = ctx.needs_input_grad[:2]
+        grad_out = grad_weights = grad_bias = None
+        low = grad.to(picked.dtype)  # under autocast, the fp32 residual stream's gradient; the rows are bf16
+        if need_out:
+            per_choice = low.unsqueeze(1) * weights.to(picked.dtype).unsqueeze(-1)  # [T, k, C']
+            grad_out = per_choice.view(-1, picked.shape[-1]).index_select(0, order)
+        if need_weights:  # one batched dot product per item: no [T, k, C'] temporary
+            grad_weights = torch.bmm(picked, low.unsqueeze(-1)).squeeze(-1).to(weights.dtype)
+            if bias is not None:
+                grad_weights = grad_weights + (grad @ bias.to(grad.dtype).t()).gather(1, experts).to(weights.dtype)
+        if bias is not None and ctx.needs_input_grad[5]:
+            grad_bias = (gates.to(grad.dtype).t() @ grad).to(bias.dtype)
+        return grad_out, grad_weights, None, None, None, grad_bias
 
 
 class SegmentGraphs(torch.autograd.Function):

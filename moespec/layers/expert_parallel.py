@@ -66,6 +66,8 @@ class ExpertParallel(Experts):
         """Rows `x` [S, C] sorted by global expert, `counts` [E]; returns their expert outputs [S, C'] in the
         same order, computed on the ranks that hold the experts (0 for the `tail` rows past sum(counts))."""
         world, local = self.world, self.local_experts
+        if world == 1:  # nothing to exchange: the bank itself, without the exchange's host sync
+            return super().forward(x, counts, groups, tail=tail)
         received = torch.empty_like(counts)
         dist.all_to_all_single(received, counts, group=self.group)  # [W * L]: from each rank, per local expert
         # the layer's one host sync: the split sizes must be on the host to size the receive buffers
@@ -92,14 +94,29 @@ class ExpertParallel(Experts):
         back = AllToAll.apply(back, send, recv, self.group)
         return torch.cat([back, back.new_zeros(rows_in - back.shape[0], back.shape[-1])]) if tail else back
 
+    @property
+    def routing_group(self) -> dist.ProcessGroup | None:
+        """The group the MoE layer sums its aux losses and routing statistics over: None on a world of one,
+        where those sums are the process's own (no collective)."""
+        return self.group if self.world > 1 else None
+
+    @property
+    def gathers_pairs(self) -> bool:
+        """On a world of one the bank is the whole bank: the fused gather and combine of `Experts` (elsewhere the
+        rows travel to other ranks, `forward`)."""
+        return self.world == 1
+
     def _segmentwise(self, items: torch.Tensor, rows: torch.Tensor, counts: torch.Tensor) -> bool:
-        """Never: the rows are gathered and sent to the ranks that hold their experts (`forward`)."""
-        return False
+        """Only on a world of one: elsewhere the rows are gathered and sent to the ranks that hold their experts
+        (`forward`)."""
+        return self.world == 1 and super()._segmentwise(items, rows, counts)
 
     def batched(self, x: torch.Tensor) -> torch.Tensor:
         """Expert e on every row of x[e], x [E, M, C] with the same M on every rank (Soft MoE's slots): even
         splits, no counts exchange."""
         world, local = self.world, self.local_experts
+        if world == 1:
+            return self._equal_segments(x)
         experts, slots, dim = x.shape
         splits = [local * slots] * world
         rows = AllToAll.apply(x.reshape(experts * slots, dim), splits, splits, self.group)
@@ -116,6 +133,8 @@ class ExpertParallel(Experts):
         """The local experts' weights, their gradients divided by W: each rank's loss is a mean over its own
         batch, and these weights see every rank's rows, so that the gradient equals one process's on the
         whole batch (replicated weights get the same 1/W from DistributedDataParallel's average)."""
+        if self.world == 1:
+            return super()._param_list()
         return [None if p is None else ScaleGrad.apply(p, 1.0 / self.world) for p in super()._param_list()]
 
     def extra_repr(self) -> str:

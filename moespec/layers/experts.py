@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .dispatch import auto_step, autocast_dtype, equal_segments_step, sync_free
-from .expert_autograd import ExpertLinear, SegmentGraphs, expert_segments
+from .expert_autograd import CombinePairs, ExpertLinear, GatherPairs, SegmentGraphs, expert_segments
 from .routing import at_least_fp32
 
 GluOrder = Literal["act_first", "act_last"]  # act(a) * b (SwiGLU)  |  a * act(b) (timm GluMlp default)
@@ -176,7 +176,8 @@ class Experts(nn.Module):
                          backward=self._records_graph(like))
 
     def combine(self, items: torch.Tensor, rows: torch.Tensor, counts: torch.Tensor, weights: torch.Tensor,
-                groups: torch.Tensor | None = None, *, tail: bool = False) -> torch.Tensor:
+                groups: torch.Tensor | None = None, *, tail: bool = False,
+                position: torch.Tensor | None = None) -> torch.Tensor:
         """The routed experts' part of an MoE layer: y[t] = sum over pairs p with rows[p] = t of
         weights[p] * expert_p(items[t]); 0 for an item in no pair.
 
@@ -186,13 +187,18 @@ class Experts(nn.Module):
             weights: [P] gate value of each pair.
             groups: [T] image index of each item; needed only by the "grn" inner norm.
             tail: pairs past sum(counts) follow, with weight 0 (`forward`).
+            position: [T, k] sorted place of each item's k pairs (`Routing.position`), or None.
         Returns:
             [T, C'].
 
-        Where autograd records nothing and the loop step runs, each expert's segment is gathered, run, scaled and
-        added into y in turn, while it is in cache (`_loop_combine`); otherwise the step runs on every gathered
-        row, and the outputs are scaled and scattered back.
+        On the sync-free path with `position`, the grouped step with its gather and combine fused
+        (`_grouped_combine`). Where autograd records nothing and the loop step runs, each expert's segment is
+        gathered, run, scaled and added into y in turn, while it is in cache (`_loop_combine`); otherwise the
+        step runs on every gathered row, and the outputs are scaled and scattered back.
         """
+        if position is not None and self.gathers_pairs and not self.needs_groups \
+                and self._step(rows.shape[0], items, counts) == "grouped_mm":
+            return self._grouped_combine(items, rows, counts, weights, position, tail)
         if self._segmentwise(items, rows, counts):
             return self._loop_combine(items, rows, counts, weights, groups)
         # index_select, not items[rows]: 4x faster on CPU, and so is its backward
@@ -286,23 +292,65 @@ class Experts(nn.Module):
         """Grouped matmuls over the jagged segments (`grouped.segment_mm`): static shapes, and the offsets stay
         on the device (no host sync). Under autocast the rows and weights go in autocast's dtype, as they would
         through `F.linear` (autocast does not cast a custom op's inputs)."""
-        offsets = torch.cumsum(counts, 0).to(torch.int32)
+        offsets, expert = self._segments(counts, x.shape[0], tail)
         w1, b1, norm_w, norm_b, w2, b2 = self._param_list()
-        if tail:  # rows past the last segment get expert E, whose bias and norm parameters are 0, and output 0
-            expert = torch.bucketize(torch.arange(x.shape[0], device=x.device), offsets, right=True)
-            norm_w, norm_b = [None if p is None else F.pad(p, (0, 0, 0, 1)) for p in (norm_w, norm_b)]
-        else:
-            expert = torch.repeat_interleave(torch.arange(self.local_experts, device=x.device), counts,
-                                             output_size=x.shape[0])
         cast = autocast_dtype(x.device)
         if cast is not None:
             x, w1, b1, w2, b2 = [None if t is None else t.to(cast) for t in (x, w1, b1, w2, b2)]
-        rowwise = [None if p is None else p.index_select(0, expert) for p in (norm_w, norm_b)]  # per row
+        return self._expert(x, [w1, b1, *self._rowwise(norm_w, norm_b, expert, tail), w2, b2], None,
+                            linear=self._segment_linear(offsets, expert, tail))
 
+    def _segments(self, counts: torch.Tensor, rows: int, tail: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """The int32 segment ends [E] and the expert of each of `rows` rows [S] (E for a tail row)."""
+        offsets = torch.cumsum(counts, 0).to(torch.int32)
+        if tail:
+            return offsets, torch.bucketize(torch.arange(rows, device=counts.device), offsets, right=True)
+        return offsets, torch.repeat_interleave(torch.arange(self.local_experts, device=counts.device), counts,
+                                                output_size=rows)
+
+    @staticmethod
+    def _rowwise(norm_w: torch.Tensor | None, norm_b: torch.Tensor | None, expert: torch.Tensor,
+                 tail: bool) -> list[torch.Tensor | None]:
+        """The inner norm's parameters of each row's expert; a tail row's (expert E) are 0."""
+        params = [None if p is None or not tail else F.pad(p, (0, 0, 0, 1)) for p in (norm_w, norm_b)]
+        return [None if p is None else (q if q is not None else p).index_select(0, expert)
+                for p, q in zip((norm_w, norm_b), params, strict=True)]
+
+    @staticmethod
+    def _segment_linear(offsets: torch.Tensor, expert: torch.Tensor, tail: bool):
         def linear(h, weight, bias):
             return ExpertLinear.apply(h.to(weight.dtype), weight, bias, offsets, expert, tail)
 
-        return self._expert(x, [w1, b1, *rowwise, w2, b2], None, linear=linear)
+        return linear
+
+    gathers_pairs = True  # `combine` may gather and combine around the grouped step itself (not when sharded)
+
+    def _grouped_combine(self, items: torch.Tensor, rows: torch.Tensor, counts: torch.Tensor,
+                         weights: torch.Tensor, position: torch.Tensor, tail: bool) -> torch.Tensor:
+        """`combine` on the sync-free path, when each item has k pairs (`position` [T, k]): its passes over
+        the rows are the gather, the two grouped matmuls, the activation and the combine. fc1's bias rides
+        as one more input column (items [T, C | 1 0..], weights [E, H, C | bias 0..], padded to 16 bytes), so
+        that no [P, H] tensor of biases is gathered and added; fc2's bias is folded into the combine
+        (`CombinePairs`; not under output dropout, which it precedes). The gather and the combine go back by
+        gathers (`GatherPairs`, `CombinePairs`), not atomic scatter-adds."""
+        offsets, expert = self._segments(counts, rows.shape[0], tail)
+        w1, b1, norm_w, norm_b, w2, b2 = self._param_list()
+        dtype = autocast_dtype(items.device) or w1.dtype
+        if b1 is not None:
+            items, w1 = _with_bias_column(items, w1, b1, dtype)
+        else:
+            items, w1 = items.to(dtype), w1.to(dtype)
+        fold = b2 is not None and not (self.training and self.drop[1] > 0)
+        w2, b2 = w2.to(dtype), None if b2 is None else b2.to(dtype)
+        x = GatherPairs.apply(items, rows, position)
+        out = self._expert(x, [w1, None, *self._rowwise(norm_w, norm_b, expert, tail), w2, None if fold else b2],
+                           None, linear=self._segment_linear(offsets, expert, tail))
+        tokens, k = position.shape
+        flat = position.reshape(-1)
+        choice_weights = weights.index_select(0, flat).view(tokens, k)
+        choice_experts = expert.clamp(max=self.local_experts - 1).index_select(0, flat).view(tokens, k)
+        order = torch.empty_like(flat).scatter_(0, flat, torch.arange(flat.numel(), device=flat.device))
+        return CombinePairs.apply(out, choice_weights, position, order, choice_experts, b2 if fold else None)
 
     def forward_all(self, x: torch.Tensor, groups: torch.Tensor | None = None) -> torch.Tensor:
         """Every expert on every row, summed: the always-active shared experts. x: [T, C] -> [T, C']."""
@@ -332,7 +380,7 @@ class Experts(nn.Module):
         """One expert on rows x [S, C] (params of one expert), or every expert on a padded batch [E, M, C]
         (stacked params, norm params [E, 1, H]); `linear` overrides how fc1 / fc2 are applied."""
         w1, b1, norm_w, norm_b, w2, b2 = params
-        linear = linear or _linear
+        linear = _linear if linear is None else linear  # not `or`: torch 2.11's Dynamo cannot test a function
         h = linear(x, w1, b1)
         if self.glu is not None:
             a, b = h.chunk(2, dim=-1)
@@ -350,6 +398,20 @@ class Experts(nn.Module):
             h = _global_response_norm(h, norm_w, norm_b, self.norm.eps, groups)
         h = F.dropout(h, self.drop[0], self.training)
         return F.dropout(linear(h, w2, b2), self.drop[1], self.training)
+
+
+def _with_bias_column(items: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+                      dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """items [T, C] and weight [E, H, C], bias [E, H] as [T, C + n] = [items | 1 1 ..] and [E, H, C + n] =
+    [weight | bias 0 ..] in `dtype` (n: 16 bytes of it), so that x @ w.T is items @ weight.T + bias. The items
+    are cast and copied in one pass."""
+    extra = max(1, 16 // dtype.itemsize)
+    width = items.shape[-1]
+    augmented = items.new_ones(items.shape[0], width + extra, dtype=dtype)
+    augmented[:, :width] = items
+    columns = [weight.to(dtype), bias.to(dtype).unsqueeze(-1), weight.new_zeros(*weight.shape[:2], extra - 1,
+                                                                               dtype=dtype)]
+    return augmented, torch.cat(columns, dim=-1)
 
 
 def _scaled(out: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

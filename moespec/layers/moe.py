@@ -72,12 +72,13 @@ class MoE(MoELayer):
         if self.experts.needs_groups or (self.shared is not None and self.shared.needs_groups):
             groups = torch.arange(images, device=x.device).repeat_interleave(items_per_image(items.shape[0], images))
         routing = self.router(items, images)
-        routing.group = getattr(self.experts, "group", None)  # expert parallel: global aux losses and statistics
+        routing.group = getattr(self.experts, "routing_group", None)  # expert parallel: global aux losses, statistics
         static = exporting()
         if static:
             y = self._dense_combine(items, routing)
         else:
-            y = self.experts.combine(items, routing.item, routing.counts, routing.weights, groups, tail=routing.tail)
+            y = self.experts.combine(items, routing.item, routing.counts, routing.weights, groups, tail=routing.tail,
+                                     position=routing.position)
         if self.shared is not None:
             y = y + self.shared.forward_all(items, groups)
         if not static:  # an exported graph is a pure function: no routing state, no aux loss

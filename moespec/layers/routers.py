@@ -146,7 +146,7 @@ class TopKRouter(Router):
         pairs = group_pairs(experts, weights, self.num_experts, priority=weights[:, 0] if self.bpr else None,
                             capacity=capacity, groups=groups, dispatched=dispatched)
         return Routing(probs, logits, pairs.item, pairs.counts, pairs.weights.to(x.dtype), experts[:, 0], weights[:, 0],
-                       load, pairs.kept, pairs.expert, tail=pairs.tail)
+                       load, pairs.kept, pairs.expert, tail=pairs.tail, position=pairs.position)
 
 
     def extra_repr(self) -> str:
@@ -186,7 +186,7 @@ class ImageRouter(Router):
         token_experts = experts.repeat_interleave(tokens, dim=0)
         pairs = group_pairs(token_experts, weights.repeat_interleave(tokens, dim=0), self.num_experts)
         return Routing(probs, logits, pairs.item, pairs.counts, pairs.weights.to(x.dtype), experts[:, 0], weights[:, 0],
-                       load_counts(experts, self.num_experts), pairs.kept, pairs.expert)
+                       load_counts(experts, self.num_experts), pairs.kept, pairs.expert, position=pairs.position)
 
 
     def extra_repr(self) -> str:

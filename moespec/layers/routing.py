@@ -31,6 +31,9 @@ class Routing:
             sum over it (`total`), so that they equal one process's on the whole batch.
         tail: pairs a capacity or a drop left out follow the experts' segments, with weight 0 (sync-free
             routing keeps every choice, so that no shape depends on the data); sum(counts) < P then.
+        position: [T, k] where each item's k choices are among the P = T * k sorted pairs (sync-free routing
+            where every item makes k choices: token choice and image routing); None elsewhere. With it, the
+            layer gathers and combines each item's rows without a scatter (`Experts.combine`).
     """
 
     probs: torch.Tensor
@@ -45,6 +48,7 @@ class Routing:
     expert: torch.Tensor | None = None
     group: object = None
     tail: bool = False
+    position: torch.Tensor | None = None
 
     @property
     def num_experts(self) -> int:
@@ -129,6 +133,7 @@ class Pairs(NamedTuple):
     expert: torch.Tensor  # [P] expert of each pair
     kept: torch.Tensor  # [T] whether the item is in at least one pair (of non-zero weight, when static)
     tail: bool = False  # pairs left out follow the segments, with weight 0 (`Routing.tail`)
+    position: torch.Tensor | None = None  # [T, k] sorted place of each choice, on the sync-free path
 
 
 def group_pairs(experts: torch.Tensor, weights: torch.Tensor, num_experts: int, *,
@@ -178,18 +183,27 @@ def group_pairs(experts: torch.Tensor, weights: torch.Tensor, num_experts: int, 
         item = order // top_k
         kept = torch.zeros(tokens, dtype=torch.bool, device=device).index_put_((item,), keep, accumulate=True)
         return Pairs(item, counts, pair_weights * keep, expert.clamp(max=num_experts - 1), kept)
+    free = sync_free(device)
     if capacity is None and dispatched is None:
         item = order // top_k
-        return Pairs(item, counts, pair_weights, expert, _covered(item, tokens))
-    if sync_free(device):  # the pairs left out after the segments (a stable sort keeps them grouped by expert)
+        return Pairs(item, counts, pair_weights, expert, _covered(item, tokens),
+                     position=_inverse(order).view(tokens, top_k) if free else None)
+    if free:  # the pairs left out after the segments (a stable sort keeps them grouped by expert)
         last = stable_argsort((~keep).to(torch.uint8))
         order, pair_weights, keep = order[last], pair_weights[last] * keep[last], keep[last]
         item = order // top_k
         kept = torch.zeros(tokens, dtype=torch.bool, device=device).index_put_((item,), keep, accumulate=True)
-        return Pairs(item, counts, pair_weights, expert[last].clamp(max=num_experts - 1), kept, tail=True)
+        return Pairs(item, counts, pair_weights, expert[last].clamp(max=num_experts - 1), kept, tail=True,
+                     position=_inverse(order).view(tokens, top_k))
     order, pair_weights, expert = order[keep], pair_weights[keep], expert[keep]
     item = order // top_k
     return Pairs(item, counts, pair_weights, expert, _covered(item, tokens))
+
+
+def _inverse(permutation: torch.Tensor) -> torch.Tensor:
+    """The inverse of a permutation of 0..n-1 (a scatter of distinct indices: deterministic)."""
+    return torch.empty_like(permutation).scatter_(0, permutation, torch.arange(permutation.numel(),
+                                                                               device=permutation.device))
 
 
 def _covered(item: torch.Tensor, tokens: int) -> torch.Tensor:

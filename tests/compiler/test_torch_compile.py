@@ -1,7 +1,9 @@
 """torch.compile of a training model (issue 35, point 4): compiled steps called alternately with eager steps of
-the same model, with `moespec.aux_loss` in the loss, give the eager losses. On CPU the expert step that
-torch.compile traces is one whose fake kernels take the dtype (`dispatch.traced_step`): grouped_mm's take only
-bf16 / fp16, and it was chosen in fp32 (the first step stopped in inductor's fake-tensor run)."""
+the same model, with `moespec.aux_loss` in the loss, give the eager losses, in fp32 and under bf16 autocast.
+While torch.compile traces, the layers take the sync-free path (`dispatch.sync_free`): the grouped step runs
+moespec's custom ops, whose fake functions take every dtype (torch's grouped_mm's took only bf16 / fp16, and
+the first fp32 step stopped in inductor's fake-tensor run). tests/layers/test_device_path.py compiles each
+layer kind whole (fullgraph=True)."""
 
 from __future__ import annotations
 

@@ -9,6 +9,7 @@ case, the largest differences of outputs, aux loss, replicated and expert gradie
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import faulthandler
 import json
@@ -26,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository, 
 
 import moespec  # noqa: E402
 import moespec.distributed as md  # noqa: E402
+from moespec.layers.dispatch import device_path  # noqa: E402
 from tests.conftest import randomize  # noqa: E402
 from tests.distributed.ep_cases import CASES, input_size  # noqa: E402
 
@@ -90,6 +92,8 @@ def run_case(name: str, rank: int, world: int) -> dict:
 
 def main() -> None:
     out_dir, names = Path(sys.argv[1]), sys.argv[2:]
+    on_device_path = names[:1] == ["--device-path"]  # the GPU's sync-free path, run on CPU (both models)
+    names = names[1:] if on_device_path else names
     faulthandler.dump_traceback_later(int(os.environ.get("EP_DUMP_AFTER", "240")), exit=True)  # a hang shows where
     dist.init_process_group("gloo", timeout=timedelta(seconds=int(os.environ.get("EP_TIMEOUT", "60"))))
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -97,7 +101,8 @@ def main() -> None:
     results = {}
     for name in names:
         try:
-            results[name] = run_case(name, rank, world)
+            with device_path() if on_device_path else contextlib.nullcontext():
+                results[name] = run_case(name, rank, world)
         except Exception as error:  # reported per case; the other cases still run
             results[name] = {"error": f"{type(error).__name__}: {error}"}
             raise  # the other ranks may be inside a collective: stop all of them (torchrun does)

@@ -20,19 +20,20 @@ WORKER = ROOT / "tests" / "distributed" / "ep_worker.py"
 def results(tmp_path_factory):
     """{world: [per-rank results]}: one torchrun per world size for every case, run on first use (a failure
     is kept, not retried by every test)."""
-    found: dict[int, list[dict] | AssertionError] = {}
+    found: dict[tuple[int, bool], list[dict] | AssertionError] = {}
 
-    def get(world: int) -> list[dict]:
-        if world not in found:
+    def get(world: int, on_device_path: bool = False) -> list[dict]:
+        key = (world, on_device_path)
+        if key not in found:
             out = tmp_path_factory.mktemp(f"ep{world}")
             try:
-                torchrun(world, WORKER, out, *CASES)
-                found[world] = [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(world)]
+                torchrun(world, WORKER, out, *(["--device-path"] if on_device_path else []), *CASES)
+                found[key] = [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(world)]
             except AssertionError as failure:
-                found[world] = failure
-        if isinstance(found[world], AssertionError):
-            raise found[world]
-        return found[world]
+                found[key] = failure
+        if isinstance(found[key], AssertionError):
+            raise found[key]
+        return found[key]
 
     return get
 
@@ -57,6 +58,19 @@ def test_two_ranks_compute_what_one_process_computes(results, case):
 @pytest.mark.parametrize("case", list(CASES))
 def test_four_ranks_compute_what_one_process_computes(results, case):
     _check(results(4), case)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_one_rank_computes_what_the_unsharded_model_computes(results, case):
+    """On a world of one the sharded bank is the whole bank: no exchange, the same numbers."""
+    _check(results(1), case)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_two_ranks_on_the_gpu_path_compute_what_one_process_computes(results, case):
+    """The sync-free path (`dispatch.device_path()`, what a GPU runs): a capacity's dropped pairs stay after the
+    segments (`Routing.tail`) and are not sent to other ranks."""
+    _check(results(2, on_device_path=True), case)
 
 
 def test_a_rank_receives_no_rows_when_every_item_goes_to_one_expert(results):

@@ -163,3 +163,33 @@ def test_dropped_pairs_follow_the_segments_with_weight_zero():
     torch.testing.assert_close(routing.item[:kept], host.item)
     torch.testing.assert_close(routing.weights[:kept], host.weights)
     torch.testing.assert_close(routing.kept, host.kept)
+
+
+class OpDtypes(TorchDispatchMode):
+    """The dtypes of the tensors going into moespec's grouped matmul ops."""
+
+    def __init__(self):
+        super().__init__()
+        self.dtypes: set[torch.dtype] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if str(func).startswith("moespec."):
+            self.dtypes |= {a.dtype for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()}
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("name", ["topk2", "topk-capacity", "topk1-swiglu"])
+def test_under_bf16_autocast_the_device_path_runs_the_experts_in_bf16_and_agrees(name):
+    """Autocast does not cast a custom op's inputs: the grouped step casts the rows and weights itself, as
+    F.linear under autocast would (on a GPU, the bf16 kernels), and gives what the CPU path gives."""
+    layer, x = _layer(name), _inputs()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y, grads = _step(layer, x)
+        with device_path(), OpDtypes() as seen:
+            y_device, grads_device = _step(layer, x)
+    assert seen.dtypes and seen.dtypes <= {torch.bfloat16}, seen.dtypes  # every grouped matmul, fwd and bwd
+    assert y_device.dtype == y.dtype
+    torch.testing.assert_close(y_device, y, rtol=2e-2, atol=2e-2)
+    for got, want in zip(grads_device, grads, strict=True):
+        assert got.dtype == want.dtype
+        torch.testing.assert_close(got, want, rtol=5e-2, atol=5e-2)

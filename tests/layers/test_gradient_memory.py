@@ -148,6 +148,9 @@ def test_release_gives_back_the_blocks_no_tensor_uses(kept):
 def test_a_forked_process_writes_its_own_copy_of_the_blocks(kept):
     """A process forked after a backward (a DataLoader worker, Hogwild training) that runs backwards of its own
     lends the blocks it inherited: they must be its private copy, not the parent's pages."""
+    if torch.cuda.is_available():
+        pytest.skip("with a GPU present, the parent's first backward starts autograd's device threads, and a "
+                    "backward in a forked child then raises (PyTorch's autograd-and-fork limitation; use spawn)")
     model = _moe("loop")
     model(torch.randn(2, 9, 8)).square().sum().backward()
     weight = model.experts.fc1.weight
