@@ -36,13 +36,7 @@ def find_blocks(model: nn.Module) -> BlockLayout:
                 block_stage[block] = parent
                 break
     if not block_sublayers:
-        raise SpecError(
-            Problem(
-                "found no residual blocks with a known FFN in this model; supported FFN families: "
-                + ", ".join(cls.__name__ for cls in ADAPTERS),
-                path="backbone.model",
-            )
-        )
+        raise SpecError(Problem(_why_no_blocks(model), path="backbone.model"))
     stage_names: list[str] = []
     blocks = []
     for index, (path, sublayers) in enumerate(block_sublayers.items()):
@@ -51,6 +45,36 @@ def find_blocks(model: nn.Module) -> BlockLayout:
         blocks.append(Block(index, path, stage_names.index(block_stage[path]), tuple(sublayers)))
     stages = tuple(tuple(b.index for b in blocks if b.stage == s) for s in range(len(stage_names)))
     return BlockLayout(tuple(blocks), stages)
+
+
+def _why_no_blocks(model: nn.Module) -> str:
+    """Why `find_blocks` found nothing: no FFN at all, FFNs of classes no adapter knows, or known FFNs outside
+    any block."""
+    known = [(name, type(m).__name__) for name, m in model.named_modules() if name and find_adapter(m) is not None]
+    unknown = [(name, type(m).__name__) for name, m in model.named_modules()
+               if name and find_adapter(m) is None and _looks_like_ffn(m)]
+    families = ", ".join(cls.__name__ for cls in ADAPTERS)
+
+    def listed(found: list[tuple[str, str]]) -> str:
+        shown = ", ".join(f"{name} ({cls})" for name, cls in found[:3])
+        return shown + (f" and {len(found) - 3} more" if len(found) > 3 else "")
+
+    if known:
+        return (f"found FFNs, but none inside a block of an nn.Sequential / nn.ModuleList, which is how moespec "
+                f"finds residual blocks: {listed(known)}")
+    if unknown:
+        classes = sorted({cls for _, cls in unknown})
+        return (f"this model's FFN class{'es' if len(classes) > 1 else ''} {', '.join(classes)} "
+                f"{'have' if len(classes) > 1 else 'has'} no moespec adapter yet ({listed(unknown)}); supported FFN "
+                f"families: {families}")
+    return f"this model has no FFN sublayer; MoE surgery needs one (supported FFN families: {families})"
+
+
+def _looks_like_ffn(module: nn.Module) -> bool:
+    """A module that is an FFN by its structure (fc1 and fc2 children) or its class name (*Mlp, *MLP, *FFN)."""
+    name = type(module).__name__.lower()
+    return (hasattr(module, "fc1") and hasattr(module, "fc2")) or name.endswith(("mlp", "ffn")) \
+        or name in ("mlpblock", "feedforward")
 
 
 def sketch_of(model: nn.Module) -> BackboneSketch:

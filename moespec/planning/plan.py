@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import Problem, SpecError, did_you_mean
-from ..spec import BackboneSketch, BlockLayout, FFNShape, MoEGroup, RouterSpec, Spec, located, spec_problem
+from ..spec import BackboneSketch, Block, BlockLayout, FFNShape, MoEGroup, RouterSpec, Spec, located, spec_problem
 from ..spec.selectors import SelectorError, resolve_where
 from .cache import backbone_facts
 from .checks import checkpoint_problem, input_size_of
@@ -137,34 +137,42 @@ def plan_for(spec: Spec, backbone: Any) -> Plan:
     for index, group in enumerate(spec.moe):
         for block_index in _picked(spec, f"moe.{index}.where", group.where, layout, problems):
             block = layout.blocks[block_index]
-            if group.sublayer not in block.sublayers:
+            if group.sublayer is not None and group.sublayer not in block.sublayers:
                 problems.append(spec_problem(
                     spec, f"moe.{index}.sublayer",
                     f"block {block.path} has no FFN sublayer {group.sublayer!r}; it has: {', '.join(block.sublayers)}"
                     + did_you_mean(group.sublayer, block.sublayers)))
                 break
-            path = f"{block.path}.{group.sublayer}"
-            if path in claimed:
-                earlier = claimed[path]
-                what = "an MoE layer" if spec.moe[earlier].experts else "a plain MLP"
+            sublayers = (group.sublayer,) if group.sublayer is not None else _residual_ffns(block, sketch)
+            if not sublayers:
                 problems.append(spec_problem(
-                    spec, f"moe.{index}.where",
-                    f"{path} is already {what} from moe.{earlier}; each FFN can be replaced once"))
-                continue
-            claimed[path] = index
-            shape = _rescaled_shape(block.path, group.sublayer, rescaled, sketch)
-            if group.experts == 0 and shape is None:
-                problems.append(spec_problem(
-                    spec, f"moe.{index}.experts",
-                    f"experts: 0 (a plain MLP) is allowed only in blocks rebuilt by rescale; {block.path} is not"))
-                continue
-            layer = _layer_plan(spec, index, group, block_index, path, sketch, problems, shape)
-            if layer is None:
-                continue
-            if shape is not None:
-                hidden[path] = layer.expert_hidden
-            if group.experts > 0:
-                layers[path] = layer
+                    spec, f"moe.{index}.sublayer",
+                    f"block {block.path} has no FFN whose output is as wide as its input (a residual FFN); name "
+                    f"one with sublayer: {', '.join(block.sublayers)}"))
+                break
+            for sublayer in sublayers:
+                path = f"{block.path}.{sublayer}"
+                if path in claimed:
+                    earlier = claimed[path]
+                    what = "an MoE layer" if spec.moe[earlier].experts else "a plain MLP"
+                    problems.append(spec_problem(
+                        spec, f"moe.{index}.where",
+                        f"{path} is already {what} from moe.{earlier}; each FFN can be replaced once"))
+                    continue
+                claimed[path] = index
+                shape = _rescaled_shape(block.path, sublayer, rescaled, sketch)
+                if group.experts == 0 and shape is None:
+                    problems.append(spec_problem(
+                        spec, f"moe.{index}.experts",
+                        f"experts: 0 (a plain MLP) is allowed only in blocks rebuilt by rescale; {block.path} is not"))
+                    continue
+                layer = _layer_plan(spec, index, group, block_index, path, sketch, problems, shape)
+                if layer is None:
+                    continue
+                if shape is not None:
+                    hidden[path] = layer.expert_hidden
+                if group.experts > 0:
+                    layers[path] = layer
     if problems:
         raise SpecError(list(dict.fromkeys(problems)))  # one report per distinct problem
     order = list(sketch.ffns)  # module order
@@ -179,6 +187,14 @@ def plan_for(spec: Spec, backbone: Any) -> Plan:
             channel_hidden=hidden.get(channel_ffn, sketch.ffns[channel_ffn].hidden)))
     name = spec.name or spec.backbone.model
     return Plan(name, spec.backbone.model, layout, ordered, input_size_of(spec, sketch), tuple(rescales))
+
+
+def _residual_ffns(block: Block, sketch: BackboneSketch) -> tuple[str, ...]:
+    """The FFN sublayers a group without `sublayer` takes in `block`: those whose output is as wide as their
+    input, which a residual adds back (not, say, MaxViT's relative-position MLP inside the attention, which
+    maps 2 coordinates to the heads' biases)."""
+    return tuple(name for name in block.sublayers
+                 if (shape := sketch.ffns[f"{block.path}.{name}"]).in_features == shape.out_features)
 
 
 def _picked(spec: Spec, field: str, where: list, layout: BlockLayout, problems: list[Problem]) -> list[int]:

@@ -115,14 +115,17 @@ class AuxLoss(SpecModel):
 
 
 class MoEGroup(SpecModel):
-    """One surgery group: the FFN `sublayer` of each block picked by `where` becomes an MoE layer. How items
+    """One surgery group: the FFN `sublayer` (default: every FFN) of each block picked by `where` becomes an MoE
+    layer. How items
     reach the experts, and every setting of that (`top_k`, `capacity_factor`, ...), is the `router`'s."""
 
     model_config = {**SpecModel.model_config, "json_schema_extra": lambda schema: _moved_keys_schema(schema)}
 
     where: Any
     """Which blocks: one selector or a list of them (their union)."""
-    sublayer: Annotated[str, Field(min_length=1)] = "mlp"
+    sublayer: Optional[Annotated[str, Field(min_length=1)]] = None
+    """Which FFN of each block, by its path in the block (`mlp`, `mlp_channels`, `attn_grid.mlp`); default: every
+    FFN the block has (one in most models; a Mixer block's token and channel FFNs; MaxViT's two)."""
     experts: IntRange(0, MAX_EXPERTS)
     """Routed experts E. 0 means a plain (dense) MLP of width `expert_hidden`, only in blocks rebuilt by
     `rescale` (Sparse-MLP's "0 = plain MLP")."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import timm
+from timm.layers import Mlp
 from timm.models.mlp_mixer import MlpMixer
 from torch import nn
 
@@ -33,11 +34,54 @@ def test_a_mixer_block_has_two_ffn_sublayers():
     assert [b.sublayers for b in layout.blocks] == [("mlp_tokens", "mlp_channels")] * 2
 
 
-def test_a_model_without_a_known_ffn_is_a_clear_error():
-    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4))
+def _refusal(model: nn.Module) -> str:
     with pytest.raises(SpecError) as error:
         find_blocks(model)
     (problem,) = error.value.problems
     assert problem.path == "backbone.model"
-    assert problem.message.startswith("found no residual blocks with a known FFN in this model; supported FFN "
-                                      "families: Mlp, GlobalResponseNormMlp, ConvMlp, GluMlp, SwiGLU")
+    return problem.message
+
+
+def test_a_model_without_an_ffn_is_refused_for_that():
+    message = _refusal(nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 4, 3)))
+    assert message == ("this model has no FFN sublayer; MoE surgery needs one (supported FFN families: Mlp, "
+                       "GlobalResponseNormMlp, ConvMlp, GluMlp, SwiGLU)")
+
+
+class NewFFN(nn.Module):
+    """An FFN class no adapter knows."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(4, 8), nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.fc2(self.fc1(x).relu())
+
+
+class Residual(nn.Module):
+    def __init__(self, ffn: nn.Module):
+        super().__init__()
+        self.ffn = ffn
+
+    def forward(self, x):
+        return x + self.ffn(x)
+
+
+def test_an_ffn_class_without_an_adapter_is_named_with_where_it_is():
+    message = _refusal(nn.Sequential(Residual(NewFFN()), Residual(NewFFN())))
+    assert message.startswith("this model's FFN class NewFFN has no moespec adapter yet (0.ffn (NewFFN), 1.ffn "
+                              "(NewFFN)); supported FFN families: Mlp")
+
+
+def test_a_known_ffn_outside_any_block_is_named():
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mlp = Mlp(4, 8)
+
+        def forward(self, x):
+            return x + self.mlp(x)
+
+    assert _refusal(Net()) == ("found FFNs, but none inside a block of an nn.Sequential / nn.ModuleList, which is "
+                               "how moespec finds residual blocks: mlp (Mlp)")

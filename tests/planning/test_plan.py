@@ -142,3 +142,20 @@ def test_mistakes_found_against_the_model_are_located_problems():
     problems = {p.path: p.message for p in error.value.problems}
     assert problems["moe.0.where"] == "block index 5 is out of range; valid: 0..1 or -2..-1"
     assert problems["moe.1.sublayer"].startswith("block blocks.1 has no FFN sublayer 'mlp_tokens'; it has: mlp")
+
+
+def _paths(model: str, **group) -> list[str]:
+    spec = moespec.load_spec({"name": "x", "backbone": {"model": model},
+                              "moe": [{"where": {"last": 1}, "experts": 4, **group}]})
+    return [layer.path for layer in moespec.plan(spec).layers]
+
+
+def test_a_group_without_sublayer_takes_every_residual_ffn_of_its_blocks():
+    """MaxViT's blocks have two FFNs (after the block attention and after the grid attention): both, and not
+    the relative-position MLPs inside the attentions, which map 2 coordinates to a bias per head. CoaT's FFN is
+    called mlp2; Mixer's two are the token and the channel FFN."""
+    block = "stages.3.blocks.1"
+    assert _paths("maxvit_rmlp_pico_rw_256") == [f"{block}.attn_block.mlp", f"{block}.attn_grid.mlp"]
+    assert _paths("maxvit_rmlp_pico_rw_256", sublayer="attn_grid.mlp") == [f"{block}.attn_grid.mlp"]
+    assert _paths("coat_tiny") == ["parallel_blocks.5.mlp2"]
+    assert _paths("mixer_s32_224") == ["blocks.7.mlp_tokens", "blocks.7.mlp_channels"]

@@ -350,7 +350,7 @@ moe: []
 """
     path, problem = plan_problem(tmp_path, text)
     assert problem.path == "backbone.model"
-    assert problem.message.startswith("found no residual blocks with a known FFN")
+    assert problem.message.startswith("this model has no FFN sublayer; MoE surgery needs one")
     # like every other plan error, it names the spec file and the line of backbone.model
     assert (problem.file, problem.line) == (str(path), 2)
 

@@ -79,7 +79,7 @@ def test_minimal_spec_gets_every_default(tmp_path):
     assert group.where == [Every(every=2)]  # one selector is stored as a list of one
     assert group.experts == 8
     assert group.router.top_k == 1
-    assert group.sublayer == "mlp"
+    assert group.sublayer is None  # every FFN of each picked block
     assert group.router.kind == "topk"
     assert group.router.gate == Gate(kind="linear", dim=None, temperature=None)
     assert group.router.normalize is False

@@ -1,0 +1,175 @@
+"""Which timm model families moespec can turn into MoE models: the probe behind docs/coverage.md.
+
+    python tools/coverage.py [--modules beit coat ...] [--timeout 120] [--jobs 2] [--markdown docs/coverage.md]
+                             [--json out.json]
+
+For every timm model module (`timm.list_modules()`), the smallest variant among its first models (fewest
+parameters, counted on the meta device) gets the spec a new user would write: its default input size, the
+last 2 blocks, 4 experts, top-1, no `sublayer`. Each module runs in a subprocess with a timeout, through the
+stages in order, and stops at the first that fails:
+
+    plan      moespec.plan(spec): the blocks and FFNs found
+    build     moespec.create_model(spec)
+    forward   the model on one image of the model's input size
+    train     one SGD step on cross-entropy + moespec.aux_loss (finite loss and gradients)
+
+The status is the last stage passed ("train" = all), "refused" (plan refused the spec; the reason is the
+plan's), or "timeout". The table lists the FFN classes the model defines (modules with fc1 and fc2, or named
+*Mlp / *FFN / *MLP), the blocks with an FFN that moespec found, and the reason of a failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+CANDIDATES = 8  # models of a module compared for size (all of vision_transformer's 160 would take minutes)
+SMALL_WORDS = ("atto", "femto", "pico", "nano", "tiny", "xxs", "xs", "small", "s_", "_s", "t_", "_t", "b0")
+
+
+def _probe(module: str) -> dict:
+    """Run in a subprocess: the probe of one timm module."""
+    import math
+
+    import timm
+    import torch
+    import torch.nn.functional as F
+
+    import moespec
+    from moespec.errors import MoespecError
+
+    torch.manual_seed(0)
+    names = timm.list_models(module=module)
+    if not names:
+        return {"module": module, "model": "", "status": "none", "reason": "no models"}
+    ranked = sorted(names, key=lambda n: (not any(w in n for w in SMALL_WORDS), len(n), n))[:CANDIDATES]
+    sizes = {}
+    for name in ranked:
+        try:
+            with torch.device("meta"):
+                sizes[name] = sum(p.numel() for p in timm.create_model(name).parameters())
+        except Exception:  # noqa: BLE001 - a variant that does not build is skipped
+            continue
+    model_name = min(sizes, key=sizes.get) if sizes else ranked[0]
+    row = {"module": module, "model": model_name, "status": "none", "ffn_classes": [], "blocks": 0, "reason": ""}
+    try:
+        with torch.device("meta"):
+            dense = timm.create_model(model_name)
+        ffns = sorted({type(m).__name__ for m in dense.modules()
+                       if (hasattr(m, "fc1") and hasattr(m, "fc2"))
+                       or type(m).__name__.lower().endswith(("mlp", "ffn"))})
+        row["ffn_classes"] = ffns
+        size = list(dense.pretrained_cfg.get("input_size", (3, 224, 224)))
+    except Exception as error:  # noqa: BLE001
+        row.update(reason=f"timm build: {type(error).__name__}: {error}"[:300])
+        return row
+    spec = {"name": f"coverage-{module}", "backbone": {"model": model_name}, "input_size": size,
+            "moe": [{"where": {"last": 2}, "experts": 4, "router": {"kind": "topk", "top_k": 1}}]}
+    start = time.perf_counter()
+    try:
+        plan = moespec.plan(moespec.load_spec(spec))
+        row.update(status="plan", blocks=len(plan.layers), plan_s=round(time.perf_counter() - start, 1))
+        model = moespec.create_model(moespec.load_spec(spec), seed=0)
+        row["status"] = "build"
+        x = torch.randn(1, *size)
+        with torch.no_grad():
+            model.eval()(x)
+        row["status"] = "forward"
+        model.train()
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+        out = model(torch.randn(2, *size))
+        logits = out if out.dim() == 2 else out.flatten(1)
+        loss = F.cross_entropy(logits, torch.zeros(2, dtype=torch.long)) + moespec.aux_loss(model)
+        loss.backward()
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        if not math.isfinite(loss.item()) or not all(torch.isfinite(g).all() for g in grads):
+            raise RuntimeError("non-finite loss or gradient")
+        optimizer.step()
+        row["status"] = "train"
+    except MoespecError as error:
+        row.update(status="refused" if row["status"] == "none" else row["status"],
+                   reason=str(error).splitlines()[0][:300])
+    except Exception as error:  # noqa: BLE001 - the table reports it
+        row["reason"] = f"{type(error).__name__}: {error}".splitlines()[0][:300]
+    return row
+
+
+def probe(module: str, timeout: float) -> dict:
+    """`_probe(module)` in a subprocess, with a timeout."""
+    code = f"import json, sys; sys.path.insert(0, {str(ROOT / 'tools')!r}); import coverage; " \
+           f"print(json.dumps(coverage._probe({module!r})))"
+    start = time.perf_counter()
+    try:
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout,
+                              cwd=ROOT)
+    except subprocess.TimeoutExpired:
+        return {"module": module, "model": "", "status": "timeout", "ffn_classes": [], "blocks": 0,
+                "reason": f"no result in {timeout:.0f} s", "seconds": timeout}
+    lines = done.stdout.strip().splitlines()
+    try:
+        row = json.loads(lines[-1])
+    except (IndexError, json.JSONDecodeError):
+        row = {"module": module, "model": "", "status": "none", "ffn_classes": [], "blocks": 0,
+               "reason": (done.stderr.strip().splitlines() or ["no output"])[-1][:300]}
+    row["seconds"] = round(time.perf_counter() - start, 1)
+    return row
+
+
+def markdown(rows: list[dict], timm_version: str, torch_version: str) -> str:
+    counts = {status: sum(r["status"] == status for r in rows)
+              for status in ("train", "forward", "build", "plan", "refused", "none", "timeout")}
+    lines = [
+        "# timm coverage",
+        "",
+        f"Generated by `python tools/coverage.py --markdown docs/coverage.md` with timm {timm_version} and torch "
+        f"{torch_version}: for every timm model module, its smallest variant with the spec a new user writes (the "
+        "last 2 blocks, 4 experts, top-1, no `sublayer`). Status: the last stage passed (plan, build, forward, "
+        "train: one SGD step), `refused` (the plan refused the spec), `timeout`, or `none` (failed before planning).",
+        "",
+        f"{len(rows)} modules: " + ", ".join(f"{n} {s}" for s, n in counts.items() if n) + ".",
+        "",
+        "| module | model | status | FFN classes | MoE layers | reason |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in rows:
+        reason = r.get("reason", "").replace("|", "\\|")
+        lines.append(f"| {r['module']} | {r['model']} | {r['status']} | {', '.join(r.get('ffn_classes', []))} | "
+                     f"{r.get('blocks', 0)} | {reason} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    import timm
+    import torch
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--modules", nargs="+", help="timm modules to probe (default: all)")
+    parser.add_argument("--timeout", type=float, default=120.0, help="seconds per module")
+    parser.add_argument("--jobs", type=int, default=2, help="modules probed at once")
+    parser.add_argument("--markdown", type=Path, help="write the table here (docs/coverage.md)")
+    parser.add_argument("--json", type=Path, help="also write the rows as JSON")
+    args = parser.parse_args()
+    modules = args.modules or timm.list_modules()
+    rows = []
+    with ThreadPoolExecutor(args.jobs) as pool:
+        for row in pool.map(lambda m: probe(m, args.timeout), modules):
+            rows.append(row)
+            print(f"{row['module']:24s} {row['model']:40s} {row['status']:8s} {row.get('seconds', 0):6.1f} s  "
+                  f"{row.get('reason', '')[:100]}", flush=True)
+    if args.markdown:
+        text = markdown(rows, timm.__version__, torch.__version__)
+        temp = args.markdown.with_suffix(".tmp")
+        temp.write_text(text)
+        temp.replace(args.markdown)
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
