@@ -14,8 +14,8 @@ stages in order, and stops at the first that fails:
     train     one SGD step on cross-entropy + moespec.aux_loss (finite loss and gradients)
 
 The status is the last stage passed ("train" = all), "refused" (plan refused the spec; the reason is the
-plan's), or "timeout". The table lists the FFN classes the model defines (modules with fc1 and fc2, or named
-*Mlp / *FFN / *MLP), the blocks with an FFN that moespec found, and the reason of a failure.
+plan's), or "timeout". The table lists the FFN classes the model defines (those with an adapter, and those
+named like an FFN: `discovery.looks_like_ffn`), the MoE layers planned, and the reason of a failure.
 """
 
 from __future__ import annotations
@@ -42,6 +42,8 @@ def _probe(module: str) -> dict:
     import torch.nn.functional as F
 
     import moespec
+    from moespec.backbones.adapters import find_adapter
+    from moespec.backbones.discovery import looks_like_ffn
     from moespec.errors import MoespecError
 
     torch.manual_seed(0)
@@ -61,9 +63,7 @@ def _probe(module: str) -> dict:
     try:
         with torch.device("meta"):
             dense = timm.create_model(model_name)
-        ffns = sorted({type(m).__name__ for m in dense.modules()
-                       if (hasattr(m, "fc1") and hasattr(m, "fc2"))
-                       or type(m).__name__.lower().endswith(("mlp", "ffn"))})
+        ffns = sorted({type(m).__name__ for m in dense.modules() if find_adapter(m) is not None or looks_like_ffn(m)})
         row["ffn_classes"] = ffns
         size = list(dense.pretrained_cfg.get("input_size", (3, 224, 224)))
     except Exception as error:  # noqa: BLE001

@@ -52,7 +52,7 @@ def _why_no_blocks(model: nn.Module) -> str:
     any block."""
     known = [(name, type(m).__name__) for name, m in model.named_modules() if name and find_adapter(m) is not None]
     unknown = [(name, type(m).__name__) for name, m in model.named_modules()
-               if name and find_adapter(m) is None and _looks_like_ffn(m)]
+               if name and find_adapter(m) is None and looks_like_ffn(m)]
     families = ", ".join(cls.__name__ for cls in ADAPTERS)
 
     def listed(found: list[tuple[str, str]]) -> str:
@@ -70,11 +70,11 @@ def _why_no_blocks(model: nn.Module) -> str:
     return f"this model has no FFN sublayer; MoE surgery needs one (supported FFN families: {families})"
 
 
-def _looks_like_ffn(module: nn.Module) -> bool:
-    """A module that is an FFN by its structure (fc1 and fc2 children) or its class name (*Mlp, *MLP, *FFN)."""
+def looks_like_ffn(module: nn.Module) -> bool:
+    """A module that is an FFN by its class name (*Mlp, *MLP, *FFN, MLPBlock, FeedForward). Not by fc1 / fc2
+    children: squeeze-and-excitation and split attention have those too."""
     name = type(module).__name__.lower()
-    return (hasattr(module, "fc1") and hasattr(module, "fc2")) or name.endswith(("mlp", "ffn")) \
-        or name in ("mlpblock", "feedforward")
+    return name.endswith(("mlp", "ffn", "feedforward")) or name == "mlpblock"
 
 
 def sketch_of(model: nn.Module) -> BackboneSketch:
