@@ -71,10 +71,10 @@ def _why_no_blocks(model: nn.Module) -> str:
 
 
 def looks_like_ffn(module: nn.Module) -> bool:
-    """A module that is an FFN by its class name (*Mlp, *MLP, *FFN, MLPBlock, FeedForward). Not by fc1 / fc2
-    children: squeeze-and-excitation and split attention have those too."""
+    """A module that is an FFN by its class name (it says Mlp, MLP, FFN or FeedForward, and is not a classifier
+    head). Not by fc1 / fc2 children: squeeze-and-excitation and split attention have those too."""
     name = type(module).__name__.lower()
-    return name.endswith(("mlp", "ffn", "feedforward")) or name == "mlpblock"
+    return any(word in name for word in ("mlp", "ffn", "feedforward")) and not name.endswith(("head", "classifier"))
 
 
 def sketch_of(model: nn.Module) -> BackboneSketch:
