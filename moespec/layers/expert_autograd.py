@@ -19,7 +19,7 @@ from torch.autograd.function import once_differentiable
 
 from .dispatch import traced
 from .gradient_memory import empty_gradient
-from .grouped import segment_mm, segment_outer
+from .grouped import segment_mm, segment_outer, segment_slices
 
 
 class ExpertLinear(torch.autograd.Function):
@@ -87,10 +87,9 @@ def _weight_gradient_cpu(grad: torch.Tensor, x: torch.Tensor, offsets: torch.Ten
     """[E, H, C] sum over each expert's rows of grad [S, H] x x [S, C], zero for experts without rows: one mm
     per expert into the gradient's kept memory (`empty_gradient`; grouped_mm has no out=): 5 ms where
     grouped_mm's fresh tensor took 18 ms for 32 experts at ViT-S width, the same for 8."""
-    out, start = empty_gradient(weight), 0
-    for e, end in enumerate(offsets.tolist()):
-        torch.mm(grad[start:end].t(), x[start:end], out=out[e])  # no rows: zeros
-        start = end
+    out = empty_gradient(weight)
+    for e, rows in segment_slices(offsets):
+        torch.mm(grad[rows].t(), x[rows], out=out[e])  # no rows: zeros
     return out
 
 

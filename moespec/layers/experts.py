@@ -26,7 +26,7 @@ from torch import nn
 
 from .dispatch import auto_step, autocast_dtype, equal_segments_step, sync_free
 from .expert_autograd import CombinePairs, ExpertLinear, GatherPairs, SegmentGraphs, expert_segments
-from .routing import at_least_fp32
+from .routing import at_least_fp32, inverse_permutation
 
 GluOrder = Literal["act_first", "act_last"]  # act(a) * b (SwiGLU)  |  a * act(b) (timm GluMlp default)
 InnerNorm = Literal["none", "layernorm", "layernorm_before_act", "grn"]
@@ -312,9 +312,8 @@ class Experts(nn.Module):
     def _rowwise(norm_w: torch.Tensor | None, norm_b: torch.Tensor | None, expert: torch.Tensor,
                  tail: bool) -> list[torch.Tensor | None]:
         """The inner norm's parameters of each row's expert; a tail row's (expert E) are 0."""
-        params = [None if p is None or not tail else F.pad(p, (0, 0, 0, 1)) for p in (norm_w, norm_b)]
-        return [None if p is None else (q if q is not None else p).index_select(0, expert)
-                for p, q in zip((norm_w, norm_b), params, strict=True)]
+        return [None if p is None else (F.pad(p, (0, 0, 0, 1)) if tail else p).index_select(0, expert)
+                for p in (norm_w, norm_b)]
 
     @staticmethod
     def _segment_linear(offsets: torch.Tensor, expert: torch.Tensor, tail: bool):
@@ -349,7 +348,7 @@ class Experts(nn.Module):
         flat = position.reshape(-1)
         choice_weights = weights.index_select(0, flat).view(tokens, k)
         choice_experts = expert.clamp(max=self.local_experts - 1).index_select(0, flat).view(tokens, k)
-        order = torch.empty_like(flat).scatter_(0, flat, torch.arange(flat.numel(), device=flat.device))
+        order = inverse_permutation(flat)  # sorted row -> t * k + j
         return CombinePairs.apply(out, choice_weights, position, order, choice_experts, b2 if fold else None)
 
     def forward_all(self, x: torch.Tensor, groups: torch.Tensor | None = None) -> torch.Tensor:

@@ -36,7 +36,7 @@ def _grouped(like: torch.Tensor, *widths: int) -> bool:
     return all(width * like.element_size() % 16 == 0 for width in widths)
 
 
-def _segments(offsets: torch.Tensor):
+def segment_slices(offsets: torch.Tensor):
     """(expert, row slice) of every expert segment (reads the offsets on the host)."""
     start = 0
     for e, end in enumerate(offsets.tolist()):
@@ -57,7 +57,7 @@ def _segment_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, tr
         y = F.grouped_mm(x, w, offs=offsets)
         return _zero_tail(y, offsets) if tail else y
     y = (x.new_zeros if tail else x.new_empty)(x.shape[0], w.shape[-1])
-    for e, rows in _segments(offsets):
+    for e, rows in segment_slices(offsets):
         torch.mm(x[rows], w[e], out=y[rows])
     return y
 
@@ -66,7 +66,7 @@ def _segment_outer(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> t
     if _grouped(a, a.shape[1], b.shape[1]):
         return F.grouped_mm(a.t(), b, offs=offsets)
     out = a.new_empty(offsets.shape[0], a.shape[1], b.shape[1])
-    for e, rows in _segments(offsets):
+    for e, rows in segment_slices(offsets):
         torch.mm(a[rows].t(), b[rows], out=out[e])  # no rows: zeros
     return out
 

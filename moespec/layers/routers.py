@@ -26,9 +26,9 @@ from .routing import (
     at_least_fp32,
     group_pairs,
     items_per_image,
+    kept_first,
     load_counts,
     smooth_load,
-    stable_argsort,
 )
 
 
@@ -234,7 +234,7 @@ class ExpertChoiceRouter(Router):
             if exporting():
                 values, item = values * keep, item.clamp(max=x.shape[0] - 1)
             elif sync_free(x.device):  # the choices left out after the segments, with weight 0 (`Routing.tail`)
-                last = stable_argsort((~keep).to(torch.uint8))
+                last = kept_first(keep)
                 item, values, expert = item[last].clamp(max=x.shape[0] - 1), (values * keep)[last], expert[last]
                 keep, tail = keep[last], True
             else:

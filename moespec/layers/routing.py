@@ -187,20 +187,26 @@ def group_pairs(experts: torch.Tensor, weights: torch.Tensor, num_experts: int, 
     if capacity is None and dispatched is None:
         item = order // top_k
         return Pairs(item, counts, pair_weights, expert, _covered(item, tokens),
-                     position=_inverse(order).view(tokens, top_k) if free else None)
+                     position=inverse_permutation(order).view(tokens, top_k) if free else None)
     if free:  # the pairs left out after the segments (a stable sort keeps them grouped by expert)
-        last = stable_argsort((~keep).to(torch.uint8))
+        last = kept_first(keep)
         order, pair_weights, keep = order[last], pair_weights[last] * keep[last], keep[last]
         item = order // top_k
         kept = torch.zeros(tokens, dtype=torch.bool, device=device).index_put_((item,), keep, accumulate=True)
         return Pairs(item, counts, pair_weights, expert[last].clamp(max=num_experts - 1), kept, tail=True,
-                     position=_inverse(order).view(tokens, top_k))
+                     position=inverse_permutation(order).view(tokens, top_k))
     order, pair_weights, expert = order[keep], pair_weights[keep], expert[keep]
     item = order // top_k
     return Pairs(item, counts, pair_weights, expert, _covered(item, tokens))
 
 
-def _inverse(permutation: torch.Tensor) -> torch.Tensor:
+def kept_first(keep: torch.Tensor) -> torch.Tensor:
+    """The order that puts the kept entries of `keep` [P] first and the left-out ones last, each in their order
+    (a stable sort: pairs grouped by expert stay so)."""
+    return stable_argsort((~keep).to(torch.uint8))
+
+
+def inverse_permutation(permutation: torch.Tensor) -> torch.Tensor:
     """The inverse of a permutation of 0..n-1 (a scatter of distinct indices: deterministic)."""
     return torch.empty_like(permutation).scatter_(0, permutation, torch.arange(permutation.numel(),
                                                                                device=permutation.device))
