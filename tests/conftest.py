@@ -76,6 +76,71 @@ def moespec_test_convmlp_net(pretrained: bool = False, **kwargs) -> nn.Module:
     return _ConvMlpNet(**kwargs)
 
 
+FAMILY_WIDTH, FAMILY_HIDDEN = 8, 16
+
+
+def family_ffn(family: str) -> nn.Module:
+    """A small FFN of one of timm's composed families (`moespec/backbones/families.py`)."""
+    from timm.models import fastvit, levit, repvit, tiny_vit, vitamin
+
+    width, hidden = FAMILY_WIDTH, FAMILY_HIDDEN
+    if family == "Gemma4GatedMlp":  # timm >= 1.0.30
+        return pytest.importorskip("timm.models.gemma4_vit").Gemma4GatedMlp(width, hidden)
+    return {
+        "NormMlp": lambda: tiny_vit.NormMlp(width, hidden),  # a shared LayerNorm before fc1
+        "GeGluMlp": lambda: vitamin.GeGluMlp(width, hidden),  # a shared LayerNorm, a GLU
+        "RepVitMlp": lambda: repvit.RepVitMlp(width, hidden, nn.GELU),  # BatchNorms folded into the experts
+        "FastVitConvMlp": lambda: fastvit.ConvMlp(width, hidden),  # a shared depthwise conv + BatchNorm
+        "LevitMlp": lambda: levit.LevitMlp(width, hidden),  # Linear + BatchNorm1d pairs, folded
+        "SequentialMlp": lambda: nn.Sequential(nn.Conv2d(width, hidden, 1, bias=False), nn.BatchNorm2d(hidden),
+                                               nn.ReLU(), nn.Conv2d(hidden, width, 1, bias=False)),
+    }[family]()
+
+
+class _FamilyBlock(nn.Module):
+    def __init__(self, family: str):
+        super().__init__()
+        self.mlp = family_ffn(family)
+        self.tokens = not any(isinstance(m, nn.Conv2d) for m in self.mlp.modules())
+
+    def forward(self, x):  # x: [B, C, S, S]
+        if not self.tokens:
+            return x + self.mlp(x)
+        tokens = x.flatten(2).transpose(1, 2)
+        return (tokens + self.mlp(tokens)).transpose(1, 2).reshape(x.shape)
+
+
+class _FamilyNet(nn.Module):
+    """Two blocks of one composed FFN family on a stride-8 stem (32 px: a 4 x 4 map), BatchNorm running statistics
+    away from (0, 1) so that folding them is exercised."""
+
+    def __init__(self, family: str = "NormMlp", num_classes: int = 10, **kwargs):
+        super().__init__()
+        self.pretrained_cfg = {"input_size": (3, 32, 32)}
+        self.stem = nn.Conv2d(3, FAMILY_WIDTH, 8, stride=8)
+        self.blocks = nn.Sequential(_FamilyBlock(family), _FamilyBlock(family))
+        self.head = nn.Linear(FAMILY_WIDTH, num_classes)
+        generator = torch.Generator().manual_seed(0)
+        for m in self.modules():
+            if isinstance(m, nn.modules.batchnorm._BatchNorm):
+                m.running_mean.copy_(0.5 * torch.randn(m.running_mean.shape, generator=generator))
+                m.running_var.copy_(0.5 + torch.rand(m.running_var.shape, generator=generator))
+
+    def forward(self, x):
+        return self.head(self.blocks(self.stem(x)).mean(dim=(2, 3)))
+
+
+@register_model
+def moespec_test_family_net(pretrained: bool = False, **kwargs) -> nn.Module:
+    kwargs = {k: v for k, v in kwargs.items() if not k.startswith("pretrained_cfg") and k != "cache_dir"}
+    return _FamilyNet(**kwargs)
+
+
+def family_net(family: str) -> dict:
+    """The backbone entry of a spec for `_FamilyNet` of `family`."""
+    return {"model": "moespec_test_family_net", "kwargs": {"family": family}}
+
+
 def quick_first(values, quick, ids=None) -> list:
     """Parametrize values (a tuple for several names) of a long test matrix, named by `ids`: those named in `quick`
     run in the README's test command, the others are marked slow (CI runs the whole matrix)."""

@@ -3,11 +3,13 @@ stages, reading and rebuilding its FFN families (adapters) and its residual bloc
 
     create.py     create_backbone            discovery.py  find_blocks, sketch_of -> spec.BackboneSketch
     adapters.py   one adapter per FFN family rebuilders.py  blocks rebuilt at a rescaled shape (Sparse-MLP)
+    composed.py   FFNs of plain parts          families.py   timm's composed FFN classes, one line each
     placement.py  resolve_device, refuse_if_too_large: where a build goes, and whether it fits there
     weightless.py create_weightless_backbone: parameters with shapes and no storage, for counting
     meta.py       SkipMetaWrites: initializers skipped on meta tensors, which hold no values to write
 """
 
+from . import families  # noqa: F401  (registers the adapters of timm's composed FFN classes)
 from .adapters import ADAPTERS, Adapter, FFNShape, adapter_named, find_adapter, register_adapter
 from .create import create_backbone
 from .discovery import find_blocks, sketch_of

@@ -4,7 +4,8 @@ An adapter knows three things about its family: the FFN's shape (`in -> hidden -
 channels-first), how to build an `Experts` bank with the same structure at another hidden width, and how
 to cut one expert's weights out of the dense FFN's weights (for upcycling).
 
-    Mlp, GluMlp (SwiGLUPacked), SwiGLU, ConvMlp, GlobalResponseNormMlp
+    Mlp, GluMlp (SwiGLUPacked), SwiGLU, ConvMlp, GlobalResponseNormMlp     here, with inner norms
+    FFNs composed of plain parts (LeViT, RepViT, TinyViT, ...)             `composed.py`, `families.py`
 """
 
 from __future__ import annotations
@@ -48,6 +49,24 @@ class Adapter:
         dict (names relative to the FFN), keeping the hidden units `units` (a LongTensor)."""
         return _plain_state(dense, units, norm="norm")
 
+    def matches(self, module: nn.Module) -> bool:
+        """Whether `module`, an instance of a registered class, is an FFN of this family (a structural
+        adapter, registered for a generic class such as `nn.Sequential`, checks the children)."""
+        return True
+
+    def refusal(self, ffn: nn.Module) -> str | None:
+        """Why `ffn` cannot be split into experts, or None."""
+        return None
+
+    def pre_module(self, ffn: nn.Module) -> nn.Module | None:
+        """A copy of the module `ffn` applies to its input before its first projection (a norm, a depthwise
+        conv), which the MoE layer keeps dense and shared (`MoELayer.pre`), or None."""
+        return None
+
+    def pre_state(self, dense: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The state dict of `pre_module`, from the dense FFN's state dict."""
+        return {}
+
 
 ADAPTERS: dict[type[nn.Module], Adapter] = {}
 
@@ -55,16 +74,17 @@ ADAPTERS: dict[type[nn.Module], Adapter] = {}
 def register_adapter(*families: type[nn.Module]) -> Callable[[type[Adapter]], type[Adapter]]:
     def wrap(cls: type[Adapter]) -> type[Adapter]:
         for family in families:
-            ADAPTERS[family] = cls()
+            if family is not None:  # a class this timm does not have (`families.timm_class`)
+                ADAPTERS[family] = cls()
         return cls
 
     return wrap
 
 
 def find_adapter(module: nn.Module) -> Adapter | None:
-    """The adapter for `module`'s class or its nearest registered base class, or None."""
+    """The adapter for `module`'s class or its nearest registered base class that takes it, or None."""
     for cls in type(module).__mro__:
-        if cls in ADAPTERS:
+        if cls in ADAPTERS and ADAPTERS[cls].matches(module):
             return ADAPTERS[cls]
     return None
 

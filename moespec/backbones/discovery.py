@@ -25,7 +25,7 @@ def find_blocks(model: nn.Module) -> BlockLayout:
     block_sublayers: dict[str, list[str]] = {}
     block_stage: dict[str, str] = {}
     for name, module in model.named_modules():
-        if not name or find_adapter(module) is None:
+        if not name or not _convertible(module):
             continue
         parts = name.split(".")
         for cut in range(len(parts) - 1, 0, -1):  # deepest proper ancestor first
@@ -50,10 +50,13 @@ def find_blocks(model: nn.Module) -> BlockLayout:
 def _why_no_blocks(model: nn.Module) -> str:
     """Why `find_blocks` found nothing: no FFN at all, FFNs of classes no adapter knows, or known FFNs outside
     any block."""
-    known = [(name, type(m).__name__) for name, m in model.named_modules() if name and find_adapter(m) is not None]
-    unknown = [(name, type(m).__name__) for name, m in model.named_modules()
-               if name and find_adapter(m) is None and looks_like_ffn(m)]
-    families = ", ".join(cls.__name__ for cls in ADAPTERS)
+    modules = [(name, m) for name, m in model.named_modules() if name]
+    known = [(name, type(m).__name__) for name, m in modules if _convertible(m)]
+    refused = [(name, type(m).__name__, adapter.refusal(m)) for name, m in modules
+               if (adapter := find_adapter(m)) is not None and adapter.refusal(m) is not None]
+    unknown = [(name, type(m).__name__) for name, m in modules  # not a top-level head or pre-logits MLP
+               if "." in name and find_adapter(m) is None and looks_like_ffn(m)]
+    families = _families()
 
     def listed(found: list[tuple[str, str]]) -> str:
         shown = ", ".join(f"{name} ({cls})" for name, cls in found[:3])
@@ -62,12 +65,29 @@ def _why_no_blocks(model: nn.Module) -> str:
     if known:
         return (f"found FFNs, but none inside a block of an nn.Sequential / nn.ModuleList, which is how moespec "
                 f"finds residual blocks: {listed(known)}")
+    if refused:
+        name, cls, reason = refused[0]
+        more = f" (and {len(refused) - 1} more FFNs)" if len(refused) > 1 else ""
+        return f"this model's FFNs cannot be split into experts: {name}{more} ({cls}): {reason}"
     if unknown:
         classes = sorted({cls for _, cls in unknown})
         return (f"this model's FFN class{'es' if len(classes) > 1 else ''} {', '.join(classes)} "
                 f"{'have' if len(classes) > 1 else 'has'} no moespec adapter yet ({listed(unknown)}); supported FFN "
                 f"families: {families}")
     return f"this model has no FFN sublayer; MoE surgery needs one (supported FFN families: {families})"
+
+
+def _families(shown: int = 5) -> str:
+    """The FFN families moespec knows, the first few by name (the list grows with every timm release)."""
+    names = list(dict.fromkeys(adapter.family for adapter in ADAPTERS.values()))
+    more = f" and {len(names) - shown} more (moespec/backbones/families.py)" if len(names) > shown else ""
+    return ", ".join(names[:shown]) + more
+
+
+def _convertible(module: nn.Module) -> bool:
+    """An FFN an adapter knows and can split into experts."""
+    adapter = find_adapter(module)
+    return adapter is not None and adapter.refusal(module) is None
 
 
 def looks_like_ffn(module: nn.Module) -> bool:

@@ -19,6 +19,7 @@ def build_moe(layer: LayerPlan, dense_ffn: nn.Module) -> nn.Module:
     if layer.shared_experts:
         shared = adapter.build_experts(dense_ffn, layer.shared_experts, layer.expert_hidden)
     moe = layer.router.build(layer, experts, shared)
+    moe.pre = adapter.pre_module(dense_ffn)
     moe.plan = layer
     return moe
 

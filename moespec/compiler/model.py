@@ -15,7 +15,6 @@ model's list, so that timm's optimizer factory treats them as it treats the dens
 from __future__ import annotations
 
 import contextlib
-import copy
 from dataclasses import dataclass
 
 import torch
@@ -26,8 +25,8 @@ from ..errors import MoespecError, SpecError
 from ..layers import Experts, MoELayer
 from ..planning import Plan, plan_for
 from ..spec import Spec, located
-from .passes import replace_ffns, rescale_blocks
-from .tracer import release, trace
+from .passes import copy_along, replace_ffns, replace_untraced, rescale_blocks
+from .tracer import TraceFailure, release, trace
 
 
 def compile_graph(model: nn.Module, plan: Plan, *, moe_device: str | torch.device | None = None) -> fx.GraphModule:
@@ -40,10 +39,17 @@ def compile_model(model: nn.Module, plan: Plan, *, moe_device: str | torch.devic
                   inplace: bool = False) -> nn.Module:
     """`model` (a copy of it sharing its other modules, unless `inplace`) with the modules that
     `compile_graph` swapped at their call sites swapped in: the same class, the same function as the
-    rewritten graph. Its MoE layers are built on `moe_device` (default: the backbone's device)."""
-    gm, swapped = _rewrite(model, plan, moe_device)
-    release(gm)  # only its modules are kept
-    out = model if inplace else _copy_along(model, list(swapped))
+    rewritten graph. Its MoE layers are built on `moe_device` (default: the backbone's device). A model that
+    torch.fx cannot trace (Twins) gets its FFNs swapped by path where their forward takes one tensor
+    (`replace_untraced`)."""
+    try:
+        gm, swapped = _rewrite(model, plan, moe_device)
+        release(gm)  # only its modules are kept
+    except TraceFailure:
+        if plan.rescales:
+            raise
+        swapped = replace_untraced(model, plan, moe_device)
+    out = model if inplace else copy_along(model, list(swapped))
     for path, module in swapped.items():
         out.set_submodule(path, module)
     dense = getattr(type(model), "no_weight_decay", None)  # the class's: `inplace` may compile a compiled model
@@ -133,27 +139,6 @@ def _stacked_1d(model: nn.Module) -> frozenset[str]:
     return frozenset(f"{path}.{bank_name}.{name}" for path, layer in moe_layers(model).items()
                      for bank_name, bank in layer.named_modules() if isinstance(bank, Experts)
                      for name, param in bank.named_parameters() if param.dim() == 2)
-
-
-def _copy_along(model: nn.Module, paths: list[str]) -> nn.Module:
-    """A shallow copy of `model` and of every module on the way to `paths`, so that swapping the modules at
-    `paths` in the copy leaves `model` as it was; every other module (and every tensor) is shared."""
-    root, copied = _shallow(model), set()
-    for path in paths:
-        parent, names = root, path.split(".")[:-1]
-        for depth, name in enumerate(names):
-            prefix = ".".join(names[: depth + 1])
-            if prefix not in copied:
-                parent._modules[name] = _shallow(parent._modules[name])
-                copied.add(prefix)
-            parent = parent._modules[name]
-    return root
-
-
-def _shallow(module: nn.Module) -> nn.Module:
-    twin = copy.copy(module)
-    twin._modules = dict(module._modules)  # its own children table; the children themselves are shared
-    return twin
 
 
 def check_fits_in_memory(spec: Spec, device: str | torch.device = "cpu") -> Plan:

@@ -21,6 +21,11 @@ class CompileError(MoespecError):
     """A graph pass could not apply the plan to the traced model."""
 
 
+class TraceFailure(CompileError):
+    """torch.fx could not trace the model's forward (Python control flow on tensors, a tuple returned by a
+    leaf and unpacked)."""
+
+
 class MoETracer(fx.Tracer):
     """Traces through the ancestors of `targets`; every other module (and each target) is a leaf."""
 
@@ -42,7 +47,7 @@ def trace(model: nn.Module, targets: set[str]) -> fx.GraphModule:
     try:
         graph = tracer.trace(model)
     except Exception as err:  # fx raises plain TraceError / TypeError with little context
-        raise CompileError(f"torch.fx could not trace {type(model).__name__}: {err}") from err
+        raise TraceFailure(f"torch.fx could not trace {type(model).__name__}: {err}") from err
     finally:
         # The tracer sits in reference cycles (its proxies and the closures it patched in point back at it),
         # which only the cycle collector frees. Emptied, they hold nothing of the model, which is freed as

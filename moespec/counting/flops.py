@@ -102,9 +102,11 @@ def count_macs(model: nn.Module, input_size: tuple[int, int, int]) -> MacCount:
 
 @contextlib.contextmanager
 def _shape_only(layers: Iterator[nn.Module]) -> Iterator[None]:
-    """Swap each MoE layer's forward for one that returns zeros of the output shape, recording its items."""
+    """Swap each MoE layer's forward for one that runs its `pre` (traced and counted) and returns zeros of the
+    output shape, recording its items."""
 
     def forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        x = self.run_pre(x)  # a dense module: fvcore counts it with the backbone
         channels = x.shape[self.channels_dim]
         self.last_items, self.last_images = int(x.numel()) // int(channels), int(x.shape[0])
         shape = list(x.shape)

@@ -56,10 +56,19 @@ class MoELayer(nn.Module):
 
     experts: Experts
     shared: Experts | None
+    pre: nn.Module | None  # the FFN's own input module (a norm, a depthwise conv), dense and shared, or None
     channels_dim: int
     aux_losses: dict[str, torch.Tensor]
     last_items: int
     last_images: int
+
+    def __init__(self):
+        super().__init__()
+        self.pre = None  # set by the builder where the dense FFN has one (`Adapter.pre_module`)
+
+    def run_pre(self, x: torch.Tensor) -> torch.Tensor:
+        """x through `pre`, which runs on the whole input before routing."""
+        return x if self.pre is None else self.pre(x)
 
     @property
     def num_experts(self) -> int:

@@ -65,6 +65,7 @@ class MoE(MoELayer):
         return {**self.__dict__, "computed_aux_losses": {}, "last_routing": None, "last_items": 0, "last_images": 0}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.run_pre(x)
         channels_last = x if self.channels_dim in (-1, x.dim() - 1) else x.movedim(self.channels_dim, -1)
         items = channels_last.reshape(-1, channels_last.shape[-1])
         images = x.shape[0]

@@ -63,6 +63,7 @@ class SoftMoE(MoELayer):
         return self.phi.shape[1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.run_pre(x)
         channels_last = x if self.channels_dim in (-1, x.dim() - 1) else x.movedim(self.channels_dim, -1)
         images, dim = x.shape[0], channels_last.shape[-1]
         tokens = channels_last.reshape(images, math.prod(channels_last.shape[1:-1]), dim)  # [B, N, C], B may be 0

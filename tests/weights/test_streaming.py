@@ -14,13 +14,17 @@ import moespec
 from moespec.errors import CheckpointError
 from moespec.weights import read_spec, upcycle, upcycle_to_checkpoint
 
-from ..conftest import TINY_CONVNEXT, TINY_INPUT, TINY_VIT, make_spec
+from ..conftest import TINY_CONVNEXT, TINY_INPUT, TINY_VIT, family_net, make_spec
 
 VIT = [{"where": {"every": 1}, "experts": 4, "top_k": 2, "router": {"normalize": True}}]
 CONVNEXT = [{"where": {"stage_last": 2}, "experts": 4, "top_k": 1, "expert_mlp_ratio": 2}]
 
 
-@pytest.mark.parametrize("backbone,moe", [(TINY_VIT, VIT), (TINY_CONVNEXT, CONVNEXT)], ids=["vit", "convnext"])
+FAMILY = [{"where": {"every": 1}, "experts": 4, "top_k": 1}]
+
+
+@pytest.mark.parametrize("backbone,moe", [(TINY_VIT, VIT), (TINY_CONVNEXT, CONVNEXT),
+                                         (family_net("FastVitConvMlp"), FAMILY)], ids=["vit", "convnext", "pre module"])
 def test_streamed_weights_equal_the_in_memory_upcycle(backbone, moe, dense_checkpoint, tmp_path):
     path, _ = dense_checkpoint(backbone)
     spec = make_spec(backbone, moe, upcycle={"noise": 0.01})

@@ -9,7 +9,7 @@ import moespec
 from moespec.errors import CheckpointError, SpecError
 from moespec.weights import upcycle_with_report
 
-from ..conftest import TINY_CONVNEXT, TINY_INPUT, TINY_VIT, line_of, make_spec, write
+from ..conftest import TINY_CONVNEXT, TINY_INPUT, TINY_VIT, family_net, line_of, make_spec, write
 
 VIT_EVERY2 = [{"where": {"every": 2}, "experts": 8, "top_k": 2, "router": {"normalize": True}}]
 
@@ -27,6 +27,21 @@ def test_normalized_upcycle_reproduces_dense_logits(backbone, where, experts, to
     assert diff <= 1e-5
     assert report.function_preserving and report.max_abs_logit_diff <= 1e-5
     assert str(report).startswith("function-preserving: yes (max |dlogit| = ")
+
+
+@pytest.mark.parametrize("family", ["NormMlp", "GeGluMlp", "RepVitMlp", "LevitMlp", "FastVitConvMlp", "SequentialMlp"])
+def test_composed_families_upcycle_to_the_dense_logits(family, dense_checkpoint):
+    """A shared `pre` module copied, BatchNorms folded into the experts: the eval-mode function is the dense one."""
+    path, dense = dense_checkpoint(family_net(family))
+    spec = make_spec(family_net(family), [{"where": {"every": 1}, "experts": 4, "top_k": 1,
+                                           "router": {"normalize": True}}])
+    model, report = upcycle_with_report(spec, path)
+    x = torch.randn(3, *TINY_INPUT)
+    with torch.no_grad():
+        diff = (model.eval()(x) - dense(x)).abs().max().item()
+    assert diff <= 1e-5 and report.function_preserving
+    layer = model.blocks[0].mlp
+    assert (layer.pre is None) == (family in ("RepVitMlp", "LevitMlp", "SequentialMlp"))
 
 
 def test_unnormalized_top_k_is_reported_not_preserving(dense_checkpoint):
