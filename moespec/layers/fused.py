@@ -66,6 +66,17 @@ def unavailable(device: torch.device, dtype: torch.dtype) -> str | None:
     return None
 
 
+def activation(act) -> str | None:
+    """The kernels' name for the activation module `act` ("gelu", "silu"), or None if they have none for it."""
+    if isinstance(act, torch.nn.GELU):
+        return "gelu" if act.approximate == "none" else None
+    if isinstance(act, torch.nn.SiLU):
+        return "silu"
+    if type(act).__module__.startswith("timm."):  # timm's own modules: F.gelu, x * sigmoid(x)
+        return {"GELU": "gelu", "Swish": "silu"}.get(type(act).__name__)
+    return None
+
+
 def fused_experts(items: torch.Tensor, offsets: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None,
                   w2: torch.Tensor, b2: torch.Tensor | None, *, act: str, glu: str | None,
                   order: torch.Tensor | None = None, top_k: int = 1, gates: torch.Tensor | None = None,
@@ -279,6 +290,17 @@ if triton is not None:
             start = stop
         return segment, first, end
 
+    _UPCAST_DOT = tl.constexpr(INTERPRETED)
+
+    @triton.jit
+    def _dot(a, b, acc, PRECISION: tl.constexpr):
+        """acc + a @ b, accumulated in fp32. Triton's interpreter multiplies 16-bit floats wrongly (3.8: by their
+        bits), so there the operands go in as fp32: the same products, as one of two 16-bit floats is exact in
+        fp32."""
+        if _UPCAST_DOT:
+            return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+        return tl.dot(a, b, acc, input_precision=PRECISION)
+
     @triton.jit
     def _act(x, ACT: tl.constexpr):
         if ACT == 0:  # GELU, exact: x * Phi(x)
@@ -323,10 +345,10 @@ if triton is not None:
             x = tl.load(x_rows + k[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
             x = x.to(w_ptr.dtype.element_ty)
             w_mask = k_mask[:, None] & col_mask[None, :]
-            acc = tl.dot(x, tl.load(w_cols + k[:, None], mask=w_mask, other=0.0), acc, input_precision=PRECISION)
+            acc = _dot(x, tl.load(w_cols + k[:, None], mask=w_mask, other=0.0), acc, PRECISION)
             if GLU != 0:
                 w_b = tl.load(w_cols + hidden * stride_wn + k[:, None], mask=w_mask, other=0.0)
-                acc_b = tl.dot(x, w_b, acc_b, input_precision=PRECISION)
+                acc_b = _dot(x, w_b, acc_b, PRECISION)
         if HAS_BIAS:
             bias = b_ptr + expert * stride_be + col
             acc += tl.load(bias, mask=col_mask, other=0.0).to(tl.float32)[None, :]
@@ -382,7 +404,7 @@ if triton is not None:
             k_mask = k < in_features
             a = tl.load(a_rows + k[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
             w = tl.load(w_cols + k[:, None] * stride_wk, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
-            acc = tl.dot(a.to(w_ptr.dtype.element_ty), w, acc, input_precision=PRECISION)
+            acc = _dot(a.to(w_ptr.dtype.element_ty), w, acc, PRECISION)
         if HAS_BIAS:
             acc += tl.load(b_ptr + expert * stride_be + col, mask=col_mask, other=0.0).to(tl.float32)[None, :]
         if HAS_GATE:
@@ -423,7 +445,7 @@ if triton is not None:
             k_mask = k < out_features
             dy = tl.load(dy_rows + k[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
             w = tl.load(w_cols + k[:, None] * stride_wk, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
-            acc = tl.dot(dy.to(w_ptr.dtype.element_ty), w, acc, input_precision=PRECISION)
+            acc = _dot(dy.to(w_ptr.dtype.element_ty), w, acc, PRECISION)
             if HAS_GATE and HAS_BIAS:
                 bias = tl.load(b_ptr + expert * stride_be + k, mask=k_mask, other=0.0).to(tl.float32)
                 bias_dot += tl.sum(dy.to(tl.float32) * bias[None, :], axis=1)
@@ -491,8 +513,7 @@ if triton is not None:
                 column_sum += tl.sum(a, axis=0)
             b = tl.load(b_ptr + j.to(tl.int64)[:, None] * stride_b + n[None, :], mask=r_mask[:, None] & n_mask[None, :],
                         other=0.0)
-            acc = tl.dot(tl.trans(a.to(out_ptr.dtype.element_ty)), b.to(out_ptr.dtype.element_ty), acc,
-                         input_precision=PRECISION)
+            acc = _dot(tl.trans(a.to(out_ptr.dtype.element_ty)), b.to(out_ptr.dtype.element_ty), acc, PRECISION)
         out = out_ptr + expert.to(tl.int64) * stride_oe + m[:, None] * stride_om + n[None, :]
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
         if BIAS_GRAD:
