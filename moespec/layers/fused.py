@@ -32,6 +32,11 @@ The block sizes below (`_blocks`) are GPU-sensible defaults, untuned: no GPU has
 `TRITON_INTERPRET=1` (the CPU, for tests) the blocks are the smallest `tl.dot` takes, so that small tests cross
 several row and column blocks.
 
+The two ops (`moespec::fused_ffn`, `moespec::fused_ffn_backward`) are `torch.library.custom_op`s with fake
+functions: torch.compile traces them whole and runs them as they are. (`torch.library.triton_op` would let
+Inductor see the kernels, but its fake call of an interpreted kernel fails under torch.compile, so the CPU
+tests could not check it.)
+
 Triton is optional: without it this module imports, and `unavailable` says why the step cannot run.
 """
 
@@ -96,10 +101,11 @@ def fused_experts(items: torch.Tensor, offsets: torch.Tensor, w1: torch.Tensor, 
         [T, C'] in the promoted dtype of the matmuls and the gates.
     """
     dtype = dtype or w1.dtype
-    w1, w2 = w1.to(dtype), w2.to(dtype)
-    b1, b2 = [None if b is None else b.to(dtype) for b in (b1, b2)]
-    return FusedExperts.apply(items, offsets, w1, b1, w2, b2, gates, order, top_k, ACTIVATIONS.index(act),
-                              GLU_ORDERS.index(glu))
+    w1, w2 = w1.to(dtype).contiguous(), w2.to(dtype).contiguous()  # the kernels read rows of unit stride
+    b1, b2 = [None if b is None else b.to(dtype).contiguous() for b in (b1, b2)]
+    gates, order = [None if t is None else t.contiguous() for t in (gates, order)]
+    return FusedExperts.apply(items.contiguous(), offsets, w1, b1, w2, b2, gates, order, top_k,
+                              ACTIVATIONS.index(act), GLU_ORDERS.index(glu))
 
 
 class FusedExperts(torch.autograd.Function):

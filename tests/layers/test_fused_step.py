@@ -178,8 +178,8 @@ def _hopper_backend() -> bool:
 @pytest.mark.skipif(INTERPRETED or not _hopper_backend(), reason="compiles the kernels (not the interpreter's)")
 def test_the_kernels_compile_for_a_hopper_gpu():
     """What the interpreter does not check: each kernel, in bf16 at the GPU block sizes, with every flag that
-    adds code on, builds for sm_90 (the Triton frontend's types, tl.dot's shapes, shared memory), no GPU
-    needed."""
+    adds code on, and with them off (the absent pointers passed as 0, as `fused._launch` does), builds for
+    sm_90 (the Triton frontend's types, tl.dot's shapes, shared memory), no GPU needed."""
     import inspect
 
     import triton
@@ -191,13 +191,22 @@ def test_the_kernels_compile_for_a_hopper_gpu():
     cases = [(fused._fc1_kernel, {"GATHER": True, "HAS_BIAS": True, "SAVE_PRE": True, "ACT": 0, "GLU": 1}),
              (fused._rows_kernel, {"SCATTER": True, "HAS_BIAS": True, "HAS_GATE": True}),
              (fused._fc2_backward_kernel, {"GATHER": True, "HAS_BIAS": True, "HAS_GATE": True, "ACT": 1, "GLU": 2}),
-             (fused._outer_kernel, {"A_GATHER": True, "B_GATHER": True, "SCALE_A": True, "BIAS_GRAD": True})]
+             (fused._outer_kernel, {"A_GATHER": True, "B_GATHER": True, "SCALE_A": True, "BIAS_GRAD": True}),
+             (fused._fc1_kernel, {"GATHER": False, "HAS_BIAS": False, "SAVE_PRE": False, "ACT": 1, "GLU": 0}),
+             (fused._rows_kernel, {"SCATTER": False, "HAS_BIAS": False, "HAS_GATE": False}),
+             (fused._outer_kernel, {"A_GATHER": False, "B_GATHER": False, "SCALE_A": False, "BIAS_GRAD": False})]
+    absent = {"GATHER": ["order_ptr"], "SCATTER": ["order_ptr"], "HAS_BIAS": ["b_ptr"], "HAS_GATE": ["gate_ptr"],
+              "A_GATHER": ["a_order_ptr"], "B_GATHER": ["b_order_ptr"], "SCALE_A": ["gate_ptr"],
+              "BIAS_GRAD": ["bias_ptr"]}
     for kernel, flags in cases:
+        zeros = {name for flag, on in flags.items() if not on for name in absent.get(flag, [])}
         constants = {**flags, **blocks, "PRECISION": "ieee"}
         signature = {}
         for name in inspect.signature(kernel.fn).parameters:
             if name in constants:
                 signature[name] = "constexpr"
+            elif name in zeros:
+                signature[name] = "i32"
             elif name == "offsets_ptr":
                 signature[name] = "*i32"
             elif name.endswith("_ptr"):
