@@ -18,7 +18,9 @@ autograd records the forward:
                 fc1's loads and put the bias, activation and gate in the epilogues, no host sync (`fused.py`);
                 with `combine`'s `position`, the gather and the combine are fused too. Plain or GLU experts with
                 GELU or SiLU, no inner norm, no dropout while training; on a GPU, or on CPU under
-                TRITON_INTERPRET=1. Elsewhere forcing it raises, saying why (it never quietly runs another step)
+                TRITON_INTERPRET=1. Where it cannot run, forcing it raises, saying why, rather than run another
+                step. (As for every forced step, Soft MoE's equal segments take their two `bmm` on the sync-free
+                path.)
 """
 
 from __future__ import annotations
