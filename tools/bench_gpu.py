@@ -9,14 +9,15 @@ ones, whole-model training-step efficiency (eager and compiled), and the host-sy
    197 tokens); in bf16 weights ("bf16") and in fp32 weights under bf16 autocast ("autocast", what a training
    loop has). Each is timed against the dense FFN of its family with hidden width k * 3072 (equal activated
    FLOPs) built in the same precision: forward (no autograd) and forward+backward, CUDA-synchronized medians,
-   interleaved. The default step ("auto") and each forced step (padded, grouped_mm) are timed, after a check
-   that their outputs agree.
+   interleaved. The default step ("auto") and each forced step (padded, grouped_mm, and triton where
+   `fused.unavailable` allows it: the fused kernels of moespec/layers/fused.py) are timed, after a check that
+   their outputs agree. A forced step that fails (an untried kernel) is reported and left out, not fatal.
 2. Model (`model`): one training step (bf16 autocast, fused AdamW, cross-entropy + moespec.aux_loss) of
    vit_b16_moe8_every2_top2 at batch 128, vit_s16_moe8_every2_top2 at 256 and softmoe_s16_e128_half at 256,
    against its dense backbone; efficiency = (activated-FLOP ratio from `moespec stats`) / (time ratio).
    `--compile SPEC` also times the torch.compile'd pair of that spec.
 3. Sync (`sync`): forward and backward of every layer kind in training mode under
-   `torch.cuda.set_sync_debug_mode("error")` (CUDA only).
+   `torch.cuda.set_sync_debug_mode("error")` (CUDA only), and of top-k with the triton step forced.
 `--quick`: small sizes, for a check on CPU. Figures only: nothing here is a test.
 """
 
@@ -34,7 +35,7 @@ from torch import nn
 
 import moespec
 from moespec.backbones import create_backbone
-from moespec.layers import ExpertChoiceRouter, Experts, ImageRouter, LinearGate, MoE, SoftMoE, TopKRouter
+from moespec.layers import ExpertChoiceRouter, Experts, ImageRouter, LinearGate, MoE, SoftMoE, TopKRouter, fused
 
 
 def _sync(device) -> None:
@@ -103,21 +104,31 @@ def _layer_setting(device, precision, family, experts, top_k, tokens, dim, hidde
     moe, dense = moe.to(device, dtype), dense.to(device, dtype)
     x = torch.randn(tokens, dim, device=device, dtype=dtype)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "autocast")
-    steps = ("auto", "padded", "grouped_mm")
+    steps = ["auto", "padded", "grouped_mm"] + (["triton"] if fused.unavailable(device, torch.bfloat16) is None else [])
+    failed = {}
     with autocast:
         outputs = {}
-        for step in steps:
+        for step in list(steps):
             moe.experts.dispatch = step
-            with torch.no_grad():
-                outputs[step] = moe(x).float()
+            try:
+                with torch.no_grad():
+                    outputs[step] = moe(x).float()
+                _train(moe, x)
+            except Exception as error:  # noqa: BLE001 -- an untried step must not end the run: report it
+                failed[step] = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
+                steps.remove(step)
+                print(f"layer {precision} {family} E={experts} k={top_k} T={tokens}: step {step} failed: "
+                      f"{failed[step]}", flush=True)
         scale = outputs["padded"].abs().max().item()
-        agree = max((outputs[s] - outputs["padded"]).abs().max().item() / scale for s in steps)
+        agree_by_step = {s: (outputs[s] - outputs["padded"]).abs().max().item() / scale for s in steps}
+        agree = max(agree_by_step.values())
         forward, train = {"dense": lambda: _forward(dense, x)}, {"dense": lambda: _train(dense, x)}
         for step in steps:
             forward[step] = (lambda s=step: (setattr(moe.experts, "dispatch", s), _forward(moe, x)))
             train[step] = (lambda s=step: (setattr(moe.experts, "dispatch", s), _train(moe, x)))
         fwd, both = interleaved(forward, repeats, device), interleaved(train, repeats, device)
     row = {"precision": precision, "family": family, "E": experts, "k": top_k, "T": tokens, "agree": agree,
+           "agree_by_step": agree_by_step, "failed": failed,
            "fwd": {s: fwd[s] / fwd["dense"] for s in steps}, "fwd_bwd": {s: both[s] / both["dense"] for s in steps},
            "dense_ms": {"fwd": fwd["dense"], "fwd_bwd": both["dense"]}}
     best_f = min(row["fwd_bwd"][s] for s in steps[1:])
@@ -187,9 +198,17 @@ def _kinds(dim: int) -> dict:
             "soft": lambda: SoftMoE(bank(), 2)}
 
 
+def _forced(layer: MoE, step: str) -> MoE:
+    layer.experts.dispatch = step
+    return layer
+
+
 def sync_check(device) -> dict[str, str]:
     results = {}
-    for name, make in _kinds(64).items():
+    kinds = _kinds(64)
+    if fused.unavailable(device, torch.bfloat16) is None:
+        kinds["topk2-triton"] = lambda: _forced(kinds["topk2"](), "triton")
+    for name, make in kinds.items():
         layer = make().to(device).train()
         layer.aux_loss_weights = {"switch": 0.01}
         x = torch.randn(8, 17, 64, device=device, requires_grad=True)
@@ -203,7 +222,7 @@ def sync_check(device) -> dict[str, str]:
                     loss = y.float().sum() + sum(getattr(layer, "computed_aux_losses", {}).values(), 0)
                 loss.backward()
                 results[f"{name}/{precision}"] = "no sync"
-            except RuntimeError as error:
+            except Exception as error:  # noqa: BLE001 -- a sync or an untried kernel's failure: report, go on
                 results[f"{name}/{precision}"] = f"SYNC: {str(error).splitlines()[0][:120]}"
             finally:
                 if device.type == "cuda":

@@ -3,6 +3,8 @@
     grouped_mm  one kernel over the jagged per-expert segments (`F.grouped_mm`, no host sync)
     padded      rows scattered into [E, max count, C] and two batched matmuls
     loop        one dense matmul per expert segment
+    triton      (forced only, `Experts.dispatch = "triton"`; never picked here) the fused Triton kernels of
+                `fused.py`, unmeasured on a GPU so far
 
 The rule is a pure function of the device, the dtype, the widths, the experts stacked in the bank, the
 rows routed to them and whether autograd records the forward. The same inputs always give the same step, so

@@ -14,6 +14,13 @@ autograd records the forward:
     padded      rows scattered into [E, max count, C] and two `bmm`s
     loop        each expert's whole FFN on its contiguous segment in turn, its hidden activations in cache
                 (under autograd, a small graph per segment); the only step for GRN experts
+    triton      forced only (never "auto": not yet measured on a GPU): Triton kernels that gather the rows in
+                fc1's loads and put the bias, activation and gate in the epilogues, no host sync (`fused.py`);
+                with `combine`'s `position`, the gather and the combine are fused too. Plain or GLU experts with
+                GELU or SiLU, no inner norm, no dropout while training; on a GPU, or on CPU under
+                TRITON_INTERPRET=1. Where it cannot run, forcing it raises, saying why, rather than run another
+                step. (As for every forced step, Soft MoE's equal segments take their two `bmm` on the sync-free
+                path.)
 """
 
 from __future__ import annotations
@@ -24,13 +31,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import fused
 from .dispatch import auto_step, autocast_dtype, equal_segments_step, sync_free
 from .expert_autograd import CombinePairs, ExpertLinear, GatherPairs, SegmentGraphs, expert_segments
 from .routing import at_least_fp32, inverse_permutation
 
 GluOrder = Literal["act_first", "act_last"]  # act(a) * b (SwiGLU)  |  a * act(b) (timm GluMlp default)
 InnerNorm = Literal["none", "layernorm", "layernorm_before_act", "grn"]
-Dispatch = Literal["auto", "loop", "padded", "grouped_mm"]
+Dispatch = Literal["auto", "loop", "padded", "grouped_mm", "triton"]
 
 
 class StackedLinear(nn.Module):
@@ -149,6 +157,8 @@ class Experts(nn.Module):
         """Rows x [S, C] sorted by expert through `step`."""
         if step == "grouped_mm":
             return self._grouped(x, counts, tail)
+        if step == "triton":
+            return self._fused(x, counts)
         if tail:  # the other steps read the counts on the host anyway: run the segments' rows, pad with 0
             kept = int(counts.sum())
             out = self._run(step, x[:kept], counts, groups[:kept] if groups is not None else None)
@@ -168,6 +178,9 @@ class Experts(nn.Module):
 
     def _step(self, rows: int, like: torch.Tensor, counts: torch.Tensor) -> str:
         """`strategy` for `rows` rows of `like`'s dtype and device (`like` requiring grad or not)."""
+        if self.dispatch == "triton":
+            self._check_fused(like)
+            return "triton"
         if self.needs_groups:
             return "loop"
         if self.dispatch != "auto":
@@ -191,14 +204,18 @@ class Experts(nn.Module):
         Returns:
             [T, C'].
 
-        On the sync-free path with `position`, the grouped step with its gather and combine fused
-        (`_grouped_combine`). Where autograd records nothing and the loop step runs, each expert's segment is
-        gathered, run, scaled and added into y in turn, while it is in cache (`_loop_combine`); otherwise the
-        step runs on every gathered row, and the outputs are scaled and scattered back.
+        On the sync-free path with `position`, the grouped (or forced triton) step with its gather and combine
+        fused (`_grouped_combine`, `_fused`). Where autograd records nothing and the loop step runs, each
+        expert's segment is gathered, run, scaled and added into y in turn, while it is in cache
+        (`_loop_combine`); otherwise the step runs on every gathered row, and the outputs are scaled and
+        scattered back.
         """
-        if position is not None and self.gathers_pairs and not self.needs_groups \
-                and self._step(rows.shape[0], items, counts) == "grouped_mm":
+        fusable = position is not None and self.gathers_pairs and not self.needs_groups
+        step = self._step(rows.shape[0], items, counts)
+        if fusable and step == "grouped_mm":
             return self._grouped_combine(items, rows, counts, weights, position, tail)
+        if fusable and step == "triton":
+            return self._fused(items, counts, weights, position)
         if self._segmentwise(items, rows, counts):
             return self._loop_combine(items, rows, counts, weights, groups)
         # index_select, not items[rows]: 4x faster on CPU, and so is its backward
@@ -350,6 +367,33 @@ class Experts(nn.Module):
         choice_experts = expert.clamp(max=self.local_experts - 1).index_select(0, flat).view(tokens, k)
         order = inverse_permutation(flat)  # sorted row -> t * k + j
         return CombinePairs.apply(out, choice_weights, position, order, choice_experts, b2 if fold else None)
+
+    def _fused(self, items: torch.Tensor, counts: torch.Tensor, weights: torch.Tensor | None = None,
+               position: torch.Tensor | None = None) -> torch.Tensor:
+        """The triton step (`fused.fused_experts`) on rows sorted by expert: items [S, C] -> [S, C']; with the
+        pairs' `weights` [P] and `position` [T, k] (`combine`), on the items [T, C] themselves -> [T, C'], the
+        gather in fc1's loads and the gates in fc2's epilogue. Rows past sum(counts) (the tail) give 0. Under
+        autocast, in autocast's dtype."""
+        w1, b1, _, _, w2, b2 = self._param_list()
+        order = None if position is None else inverse_permutation(position.reshape(-1))  # sorted row -> t * k + j
+        return fused.fused_experts(items, torch.cumsum(counts, 0).to(torch.int32), w1, b1, w2, b2,
+                                   act=fused.activation(self.act), glu=self.glu, order=order,
+                                   top_k=1 if position is None else position.shape[1], gates=weights,
+                                   dtype=autocast_dtype(items.device) or w1.dtype)
+
+    def _check_fused(self, like: torch.Tensor) -> None:
+        """Raise, saying why, where the forced triton step cannot run these experts on `like`'s device."""
+        dtype = autocast_dtype(like.device) or self.fc1.weight.dtype
+        reasons = [fused.unavailable(like.device, dtype)]
+        if fused.activation(self.act) is None:
+            reasons.append(f"the kernels take GELU (exact) or SiLU, not {self.act}")
+        if self.inner_norm != "none":
+            reasons.append(f"the kernels have no inner norm ({self.inner_norm})")
+        if self.training and any(p > 0 for p in self.drop):
+            reasons.append(f"the kernels have no dropout (drop={self.drop} while training)")
+        reasons = [r for r in reasons if r is not None]
+        if reasons:
+            raise RuntimeError("Experts.dispatch = 'triton' cannot run: " + "; ".join(reasons))
 
     def forward_all(self, x: torch.Tensor, groups: torch.Tensor | None = None) -> torch.Tensor:
         """Every expert on every row, summed: the always-active shared experts. x: [T, C] -> [T, C']."""

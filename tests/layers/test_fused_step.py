@@ -1,0 +1,218 @@
+"""The forced triton expert step (`fused.py`, issue 35 point 1) computes what the grouped_mm step computes:
+outputs and the gradients of the input and of every parameter (fc1 / fc2 weights and biases, the router's gate),
+with capacity drops (the tail), GELU and SwiGLU experts, k = 1 and 2, and compiled whole.
+
+Without a GPU, Triton kernels run only in its interpreter, which reads TRITON_INTERPRET when the kernels are
+defined, that is when moespec is imported. So `test_the_kernels_in_the_interpreter` runs this file again in a
+subprocess with TRITON_INTERPRET=1, where the tests marked `interpreted` run (and skip in the parent). Without
+the interpreter, the kernels are compiled for a Hopper GPU (no GPU needed: type and shape errors and shared memory
+show there) and forcing the step on CPU says why it cannot run.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from moespec.layers import fused
+from moespec.layers.dispatch import device_path
+from moespec.layers.experts import Experts
+from moespec.layers.moe import MoE
+from moespec.layers.routers import ExpertChoiceRouter, ImageRouter, LinearGate, TopKRouter
+
+DIM, HIDDEN, IMAGES, TOKENS = 32, 64, 3, 7
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+interpreted = pytest.mark.skipif(not INTERPRETED, reason="runs in test_the_kernels_in_the_interpreter's subprocess")
+
+
+def _bank(experts: int, kind: str = "gelu", bias: bool = True) -> Experts:
+    if kind == "swiglu":
+        return Experts(experts, DIM, HIDDEN, DIM, act=nn.SiLU(), glu="act_first", bias=(False, False))
+    if kind == "glu-last":
+        return Experts(experts, DIM, HIDDEN // 2, DIM, act=nn.GELU(), glu="act_last")
+    return Experts(experts, DIM, HIDDEN, DIM, act=nn.GELU(), bias=(bias, bias))
+
+
+def _topk(experts: int, top_k: int, **options) -> TopKRouter:
+    return TopKRouter(LinearGate(DIM, experts), experts, top_k, **options)
+
+
+LAYERS = {
+    "E4-k2-capacity": lambda: MoE(_topk(4, 2, capacity_factor=0.75), _bank(4)),
+    "E2-k1-no-bias": lambda: MoE(_topk(2, 1), _bank(2, bias=False)),
+    "E4-k1-capacity": lambda: MoE(_topk(4, 1, capacity_factor=0.5), _bank(4)),
+    "E4-k2-swiglu-capacity": lambda: MoE(_topk(4, 2, capacity_factor=1.0), _bank(4, "swiglu")),
+    "E2-k2-glu-act-last": lambda: MoE(_topk(2, 2), _bank(2, "glu-last")),
+    "E4-k2-image": lambda: MoE(ImageRouter(LinearGate(DIM, 4), 4, 2), _bank(4)),
+    "E4-expert-choice": lambda: MoE(ExpertChoiceRouter(LinearGate(DIM, 4), 4, capacity=1.5), _bank(4)),
+}
+
+
+def _layer(name: str) -> MoE:
+    torch.manual_seed(0)
+    layer = LAYERS[name]()
+    for p in layer.parameters():  # away from the init's zeros and ones, so that every parameter matters
+        p.data.add_(torch.randn_like(p) * 0.05)
+    return layer.train()
+
+
+def _inputs() -> torch.Tensor:
+    return torch.randn(IMAGES, TOKENS, DIM, generator=torch.Generator().manual_seed(1))
+
+
+def _step(layer: nn.Module, x: torch.Tensor, step: str) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Output and the gradients of the input and every parameter under expert step `step`, for a loss that
+    weights each output."""
+    experts = layer.experts if isinstance(layer, MoE) else layer._orig_mod.experts
+    experts.dispatch = step
+    layer.zero_grad()
+    x = x.detach().requires_grad_()
+    y = layer(x)
+    weights = torch.linspace(-1, 1, y.numel()).view_as(y)
+    loss = (y * weights).sum() + sum(getattr(layer, "aux_losses", {}).values(), torch.zeros(()))
+    loss.backward()
+    return y.detach(), [x.grad] + [p.grad for p in layer.parameters()]
+
+
+def _assert_same(got, want, rtol=1e-4, atol=1e-5):
+    y, grads = got
+    y_want, grads_want = want
+    torch.testing.assert_close(y, y_want, rtol=rtol, atol=atol)
+    assert len(grads) == len(grads_want)
+    for g, g_want in zip(grads, grads_want, strict=True):
+        torch.testing.assert_close(g, g_want, rtol=rtol, atol=atol)
+
+
+@pytest.mark.skipif(INTERPRETED or not HAS_TRITON, reason="needs triton; the parent of the interpreted run")
+def test_the_kernels_in_the_interpreter():
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__], env=env,
+                         capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
+    assert " passed" in run.stdout and " failed" not in run.stdout, run.stdout[-3000:]
+
+
+@interpreted
+@pytest.mark.parametrize("name", LAYERS)
+def test_the_triton_step_computes_what_grouped_mm_computes(name):
+    """On the sync-free path (a GPU's): top-k and image routing fuse the gather and the combine into the
+    kernels (`position`); expert choice runs them on the gathered rows."""
+    layer, x = _layer(name), _inputs()
+    with device_path():
+        want = _step(layer, x, "grouped_mm")
+        got = _step(layer, x, "triton")
+    assert any(g.abs().max() > 0 for g in got[1])
+    _assert_same(got, want)
+
+
+@interpreted
+def test_on_the_cpu_path_the_triton_step_computes_what_the_loop_computes():
+    """Off the sync-free path (dropped pairs dropped, no `position`): the kernels on the gathered rows."""
+    layer, x = _layer("E4-k2-capacity"), _inputs()
+    _assert_same(_step(layer, x, "triton"), _step(layer, x, "loop"))
+
+
+@interpreted
+def test_the_tail_rows_give_zero_and_take_no_gradient():
+    torch.manual_seed(0)
+    bank = _bank(4)
+    x = torch.randn(10, DIM, requires_grad=True)
+    counts = torch.tensor([3, 0, 2, 1])  # 6 rows in segments, 4 in the tail
+    bank.dispatch = "triton"
+    y = bank(x, counts, tail=True)
+    assert y[6:].eq(0).all()
+    bank.dispatch = "grouped_mm"
+    torch.testing.assert_close(y[:6], bank(x[:6], counts), rtol=1e-5, atol=1e-6)
+    y.sum().backward()
+    assert x.grad[6:].eq(0).all()
+
+
+@interpreted
+def test_the_triton_step_compiles_whole():
+    """fullgraph=True: the custom ops (with their fake functions) leave no graph break in forward or backward;
+    aot_eager traces both with fake tensors and runs the kernels in the interpreter."""
+    torch._dynamo.reset()
+    layer, x = _layer("E4-k2-capacity"), _inputs()
+    with device_path():
+        want = _step(layer, x, "grouped_mm")
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    _assert_same(_step(compiled, x, "triton"), want)
+
+
+@interpreted
+def test_under_bf16_autocast_the_triton_step_agrees():
+    """Autocast's dtype for the matmuls (bf16 rows and weights, fp32 accumulation), fp32 gradients for the
+    fp32 parameters."""
+    layer, x = _layer("E4-k2-capacity"), _inputs()
+    with torch.autocast("cpu", dtype=torch.bfloat16), device_path():
+        want = _step(layer, x, "grouped_mm")
+        got = _step(layer, x, "triton")
+    assert got[0].dtype == want[0].dtype
+    assert [g.dtype for g in got[1]] == [g.dtype for g in want[1]]
+    _assert_same(got, want, rtol=5e-2, atol=5e-2)
+
+
+@pytest.mark.skipif(INTERPRETED, reason="the interpreter runs on CPU")
+def test_forcing_it_where_it_cannot_run_says_why():
+    layer, x = _layer("E4-k2-capacity"), _inputs()
+    layer.experts.dispatch = "triton"
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1" if HAS_TRITON else "triton is not installed"):
+        layer(x)
+    bank = Experts(2, DIM, HIDDEN, DIM, act=nn.GELU(approximate="tanh"), inner_norm="layernorm")
+    bank.dispatch = "triton"
+    with pytest.raises(RuntimeError, match=r"GELU \(exact\) or SiLU.*no inner norm"):
+        bank(torch.randn(4, DIM), torch.tensor([2, 2]))
+
+
+def _hopper_backend() -> bool:
+    return HAS_TRITON and importlib.util.find_spec("triton.backends.nvidia") is not None
+
+
+@pytest.mark.skipif(INTERPRETED or not _hopper_backend(), reason="compiles the kernels (not the interpreter's)")
+def test_the_kernels_compile_for_a_hopper_gpu():
+    """What the interpreter does not check: each kernel, in bf16 at the GPU block sizes, with every flag that
+    adds code on, and with them off (the absent pointers passed as 0, as `fused._launch` does), builds for
+    sm_90 (the Triton frontend's types, tl.dot's shapes, shared memory), no GPU needed."""
+    import inspect
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    indices = {"order_ptr", "a_order_ptr", "b_order_ptr"}
+    fp32 = {"gate_ptr", "dgate_ptr", "dy_ptr"}
+    blocks = {k: v for k, v in fused._blocks(torch.bfloat16).items() if k.startswith("BLOCK")}
+    cases = [(fused._fc1_kernel, {"GATHER": True, "HAS_BIAS": True, "SAVE_PRE": True, "ACT": 0, "GLU": 1}),
+             (fused._rows_kernel, {"SCATTER": True, "HAS_BIAS": True, "HAS_GATE": True}),
+             (fused._fc2_backward_kernel, {"GATHER": True, "HAS_BIAS": True, "HAS_GATE": True, "ACT": 1, "GLU": 2}),
+             (fused._outer_kernel, {"A_GATHER": True, "B_GATHER": True, "SCALE_A": True, "BIAS_GRAD": True}),
+             (fused._fc1_kernel, {"GATHER": False, "HAS_BIAS": False, "SAVE_PRE": False, "ACT": 1, "GLU": 0}),
+             (fused._rows_kernel, {"SCATTER": False, "HAS_BIAS": False, "HAS_GATE": False}),
+             (fused._outer_kernel, {"A_GATHER": False, "B_GATHER": False, "SCALE_A": False, "BIAS_GRAD": False})]
+    absent = {"GATHER": ["order_ptr"], "SCATTER": ["order_ptr"], "HAS_BIAS": ["b_ptr"], "HAS_GATE": ["gate_ptr"],
+              "A_GATHER": ["a_order_ptr"], "B_GATHER": ["b_order_ptr"], "SCALE_A": ["gate_ptr"],
+              "BIAS_GRAD": ["bias_ptr"]}
+    for kernel, flags in cases:
+        zeros = {name for flag, on in flags.items() if not on for name in absent.get(flag, [])}
+        constants = {**flags, **blocks, "PRECISION": "ieee"}
+        signature = {}
+        for name in inspect.signature(kernel.fn).parameters:
+            if name in constants:
+                signature[name] = "constexpr"
+            elif name in zeros:
+                signature[name] = "i32"
+            elif name == "offsets_ptr":
+                signature[name] = "*i32"
+            elif name.endswith("_ptr"):
+                signature[name] = "*i64" if name in indices else "*fp32" if name in fp32 else "*bf16"
+            else:
+                signature[name] = "i32"
+        source = triton.compiler.ASTSource(fn=kernel, signature=signature, constexprs=constants)
+        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8, "num_stages": 3})
+        assert compiled.asm["cubin"] and compiled.metadata.shared <= 228 * 1024, kernel.fn.__name__
