@@ -84,8 +84,14 @@ def family_ffn(family: str) -> nn.Module:
     from timm.models import fastvit, levit, repvit, tiny_vit, vitamin
 
     width, hidden = FAMILY_WIDTH, FAMILY_HIDDEN
-    if family == "Gemma4GatedMlp":  # timm >= 1.0.30
-        return pytest.importorskip("timm.models.gemma4_vit").Gemma4GatedMlp(width, hidden)
+    if family.startswith("Gemma4GatedMlp"):  # timm >= 1.0.30
+        clipped = family.endswith("Clipped")  # linears that clamp their input and output: bounds that bite
+        ffn = pytest.importorskip("timm.models.gemma4_vit").Gemma4GatedMlp(width, hidden, use_clipped_linears=clipped)
+        for i, linear in enumerate((ffn.gate_proj, ffn.up_proj, ffn.down_proj) if clipped else ()):
+            for name, value in zip(("input_min", "input_max", "output_min", "output_max"),
+                                   (-0.5 - 0.1 * i, 0.6 + 0.1 * i, -0.05 - 0.01 * i, 0.04 + 0.01 * i), strict=True):
+                linear.get_buffer(name).fill_(value)
+        return ffn
     return {
         "NormMlp": lambda: tiny_vit.NormMlp(width, hidden),  # a shared LayerNorm before fc1
         "GeGluMlp": lambda: vitamin.GeGluMlp(width, hidden),  # a shared LayerNorm, a GLU

@@ -49,6 +49,11 @@ class Adapter:
         dict (names relative to the FFN), keeping the hidden units `units` (a LongTensor)."""
         return _plain_state(dense, units, norm="norm")
 
+    def bank_buffers(self, dense: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The bank's buffers (`Experts`' own names), the same for every expert, from the dense FFN's state
+        dict: Gemma 4's clamp bounds. Upcycling copies them."""
+        return {}
+
     def matches(self, module: nn.Module) -> bool:
         """Whether `module`, an instance of a registered class, is an FFN of this family (a structural
         adapter, registered for a generic class such as `nn.Sequential`, checks the children)."""

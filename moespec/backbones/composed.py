@@ -13,6 +13,8 @@ Most FFN classes of timm's model files are such a composition, so one is declare
   The MoE layer keeps it dense and shared (`MoELayer.pre`), runs it before routing, and upcycling copies it.
 - A BatchNorm after a projection is folded into the projection's weight and bias with its running statistics:
   the expert computes what the dense FFN computes in eval mode, and has no batch statistics of its own.
+- A projection that clamps its input and output (Gemma 4's clippable linears) gives its bounds to the bank
+  (`Experts.clamp`, constants the same for every expert).
 - What cannot be split into experts is refused with the reason (`refusal`): a projection that is not
   pointwise (a 3x3 or depthwise conv mixes neighbouring positions, and an expert sees only the positions
   routed to it), an activation with parameters, a projection with state moespec does not know.
@@ -26,6 +28,7 @@ alone (upcycling reads a checkpoint, not a module).
 from __future__ import annotations
 
 import copy
+import math
 import re
 from dataclasses import dataclass
 
@@ -36,6 +39,7 @@ from ..layers import Experts
 from ..spec import FFNShape
 from .adapters import Adapter, _matrix, register_adapter
 
+CLAMP_BOUNDS = ("input_min", "input_max", "output_min", "output_max")  # a clippable linear's buffers (Gemma 4)
 BATCH_NORM_EPS = 1e-5  # torch's BatchNorm default, which every timm ConvNorm / LinearNorm uses; folded with
 _LAYERS = (nn.Linear, nn.Conv2d)
 _BATCH_NORM = nn.modules.batchnorm._BatchNorm
@@ -83,9 +87,11 @@ class ComposedAdapter(Adapter):
         gated = (parts.fc1,) if parts.up is None else (parts.fc1, parts.up)
         biased = (any(_has_bias(*_projection(ffn, paths)) for paths in gated), _has_bias(*_projection(ffn, parts.fc2)))
         drop = [ffn.get_submodule(path).p if path else 0.0 for path in parts.drop]
+        clamped = any(_clamps(ffn.get_submodule(path)) for paths in (parts.fc1, parts.up or (), parts.fc2)
+                      for path in paths)
         return Experts(num_experts, s.in_features, hidden, s.out_features,
                        act=copy.deepcopy(ffn.get_submodule(parts.act)), glu="act_first" if parts.up else None,
-                       bias=biased, drop=tuple(drop))
+                       bias=biased, drop=tuple(drop), clamped=clamped)
 
     def refusal(self, ffn: nn.Module) -> str | None:
         parts = self.parts(ffn)
@@ -112,6 +118,16 @@ class ComposedAdapter(Adapter):
         state.update({name: bias for name, bias in (("fc1.bias", fc1_bias), ("fc2.bias", fc2_bias))
                       if bias is not None})
         return state
+
+    def bank_buffers(self, dense: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """`Experts.clamp` from the clamp bounds of the projections (rows: fc1, up, fc2), where they have any."""
+        parts = self.state_parts(dense)
+        rows = [_under(dense, paths) for paths in (parts.fc1, parts.up or (), parts.fc2)]
+        if not any(name in row for row in rows for name in CLAMP_BOUNDS):
+            return {}
+        unbounded = torch.tensor([-math.inf, math.inf, -math.inf, math.inf])
+        return {"clamp": torch.stack([torch.stack([row[name].float().reshape(()) for name in CLAMP_BOUNDS])
+                                      if CLAMP_BOUNDS[0] in row else unbounded for row in rows])}
 
     def state_parts(self, dense: dict[str, torch.Tensor]) -> Parts:
         """The parts, read from the FFN's state dict alone (the declared paths)."""
@@ -220,7 +236,8 @@ def _projection_refusal(ffn: nn.Module, paths: tuple[str, ...]) -> str | None:
                 f"with eps {BATCH_NORM_EPS} and running statistics into the experts' weights")
     for path in paths:
         module = ffn.get_submodule(path)
-        own = [n for n, _ in (*module.named_parameters(recurse=False), *module.named_buffers(recurse=False))]
+        own = [n for n, _ in (*module.named_parameters(recurse=False), *module.named_buffers(recurse=False))
+               if n not in CLAMP_BOUNDS]
         if own and not isinstance(module, (*_LAYERS, _BATCH_NORM)):
             return f"its projection {path} ({type(module).__name__}) holds {', '.join(own)}, which experts do not"
     return None
@@ -264,6 +281,11 @@ def _cat(gate: torch.Tensor | None, up: torch.Tensor | None, units: torch.Tensor
     gate = torch.zeros_like(up) if gate is None else gate
     up = torch.zeros_like(gate) if up is None else up
     return torch.cat([gate[units], up[units]])
+
+
+def _clamps(module: nn.Module) -> bool:
+    """Whether the projection `module` clamps its input and output (its own buffers `CLAMP_BOUNDS`)."""
+    return all(name in dict(module.named_buffers(recurse=False)) for name in CLAMP_BOUNDS)
 
 
 def _has_bias(layer: nn.Module, norm: nn.Module | None) -> bool:

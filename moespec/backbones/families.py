@@ -138,7 +138,8 @@ class GeGluMlpAdapter(ComposedAdapter):
 
 @register_adapter(timm_class("gemma4_vit", "Gemma4GatedMlp"))
 class Gemma4GatedMlpAdapter(ComposedAdapter):
-    """Gemma 4 vision: act(gate_proj x) * up_proj x -> down_proj; not with clipped linears (E4B)."""
+    """Gemma 4 vision: act(gate_proj x) * up_proj x -> down_proj, each a linear that may clamp its input and
+    output (its bounds go to `Experts.clamp`)."""
 
     family, fc1, up, fc2, drop = "Gemma4GatedMlp", "gate_proj", "up_proj", "down_proj", (None, "drop")
 

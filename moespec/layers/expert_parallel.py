@@ -49,12 +49,15 @@ class ExpertParallel(Experts):
         with torch.device("meta"):
             shard = cls(local, bank.in_features, bank.hidden, bank.out_features, act=bank.act, glu=bank.glu,
                         inner_norm=bank.inner_norm, norm_eps=norm_eps,
-                        bias=(bank.fc1.bias is not None, bank.fc2.bias is not None), drop=bank.drop)
+                        bias=(bank.fc1.bias is not None, bank.fc2.bias is not None), drop=bank.drop,
+                        clamped=bank.clamp is not None)
         first = rank * local
         for (name, _), (_, source) in zip(shard.named_parameters(), bank.named_parameters(), strict=True):
             module, attr = name.rsplit(".", 1)
             piece = source.detach()[first: first + local].clone()
             setattr(shard.get_submodule(module), attr, nn.Parameter(piece, requires_grad=source.requires_grad))
+        for name, buffer in bank.named_buffers():  # the same for every expert: whole on every rank
+            shard.get_submodule(name.rpartition(".")[0]).register_buffer(name.rpartition(".")[2], buffer.clone())
         if "dispatch" in vars(bank):
             shard.dispatch = bank.dispatch
         shard.num_experts, shard.first, shard.group, shard.world, shard.rank = bank.num_experts, first, group, \

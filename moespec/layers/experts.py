@@ -25,6 +25,7 @@ autograd records the forward:
 
 from __future__ import annotations
 
+import math
 from typing import Literal, Sequence
 
 import torch
@@ -89,6 +90,9 @@ class Experts(nn.Module):
             norm, computed per image over the items of that image routed to the expert).
         bias: whether fc1 / fc2 have biases.
         drop: dropout after the activation and after fc2.
+        clamped: the projections clamp their inputs and outputs (Gemma 4's clippable linears): a buffer
+            `clamp` [3, 4] holds (input min, input max, output min, output max) of fc1 (its gate half under
+            a GLU), of fc1's other half and of fc2, the same for every expert (constants of the dense FFN).
     """
 
     def __init__(
@@ -104,6 +108,7 @@ class Experts(nn.Module):
         norm_eps: float = 1e-6,
         bias: tuple[bool, bool] = (True, True),
         drop: tuple[float, float] = (0.0, 0.0),
+        clamped: bool = False,
     ):
         super().__init__()
         self.num_experts, self.hidden = num_experts, hidden
@@ -112,6 +117,14 @@ class Experts(nn.Module):
         self.act = act
         self.norm = StackedNorm(num_experts, hidden, norm_eps) if inner_norm != "none" else None
         self.fc2 = StackedLinear(num_experts, hidden, out_features, bias=bias[1])
+        self.register_buffer("clamp", torch.empty(3, 4) if clamped else None)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """The bank's own state (its projections reset themselves): unbounded clamps, as a fresh Gemma 4
+        clippable linear has until a checkpoint gives it bounds."""
+        if self.clamp is not None:
+            self.clamp.copy_(torch.tensor([-math.inf, math.inf, -math.inf, math.inf]).expand(3, 4))
 
     @property
     def needs_groups(self) -> bool:
@@ -210,7 +223,7 @@ class Experts(nn.Module):
         (`_loop_combine`); otherwise the step runs on every gathered row, and the outputs are scaled and
         scattered back.
         """
-        fusable = position is not None and self.gathers_pairs and not self.needs_groups
+        fusable = position is not None and self.gathers_pairs and not self.needs_groups and self.clamp is None
         step = self._step(rows.shape[0], items, counts)
         if fusable and step == "grouped_mm":
             return self._grouped_combine(items, rows, counts, weights, position, tail)
@@ -389,6 +402,8 @@ class Experts(nn.Module):
             reasons.append(f"the kernels take GELU (exact) or SiLU, not {self.act}")
         if self.inner_norm != "none":
             reasons.append(f"the kernels have no inner norm ({self.inner_norm})")
+        if self.clamp is not None:
+            reasons.append("the kernels do not clamp the projections (`clamp`)")
         if self.training and any(p > 0 for p in self.drop):
             reasons.append(f"the kernels have no dropout (drop={self.drop} while training)")
         reasons = [r for r in reasons if r is not None]
@@ -424,7 +439,7 @@ class Experts(nn.Module):
         (stacked params, norm params [E, 1, H]); `linear` overrides how fc1 / fc2 are applied."""
         w1, b1, norm_w, norm_b, w2, b2 = params
         linear = _linear if linear is None else linear  # not `or`: torch 2.11's Dynamo cannot test a function
-        h = linear(x, w1, b1)
+        h = linear(x, w1, b1) if self.clamp is None else self._clamped_fc1(linear, x, w1, b1)
         if self.glu is not None:
             a, b = h.chunk(2, dim=-1)
             if h.requires_grad:
@@ -440,7 +455,23 @@ class Experts(nn.Module):
         elif self.inner_norm == "grn":
             h = _global_response_norm(h, norm_w, norm_b, self.norm.eps, groups)
         h = F.dropout(h, self.drop[0], self.training)
-        return F.dropout(linear(h, w2, b2), self.drop[1], self.training)
+        out = linear(h, w2, b2) if self.clamp is None else _clamped_linear(linear, h, w2, b2, self.clamp[2])
+        return F.dropout(out, self.drop[1], self.training)
+
+    def _clamped_fc1(self, linear, x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None) -> torch.Tensor:
+        """fc1 with clamped input and output; under a GLU each half with its own bounds (`clamp` rows 0, 1)."""
+        if self.glu is None:
+            return _clamped_linear(linear, x, w1, b1, self.clamp[0])
+        half = self.hidden
+        return torch.cat([_clamped_linear(linear, x, w1.narrow(-2, start, half),
+                                          None if b1 is None else b1.narrow(-1, start, half), self.clamp[row])
+                          for row, start in enumerate((0, half))], dim=-1)
+
+
+def _clamped_linear(linear, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                    bounds: torch.Tensor) -> torch.Tensor:
+    """`linear` with its input clamped to bounds[0:2] and its output to bounds[2:4] (`Experts.clamp`)."""
+    return linear(x.clamp(bounds[0], bounds[1]), weight, bias).clamp(bounds[2], bounds[3])
 
 
 def _with_bias_column(items: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,

@@ -141,6 +141,9 @@ def upcycle_layer(moe: nn.Module, layer: LayerPlan, ffn_state: dict[str, torch.T
     if moe.shared is not None:
         shared = [lambda: adapter.expert_state(ffn_state, leading)] * layer.shared_experts
         _fill(moe.shared, shared, options.noise, generator)
+    for bank in (moe.experts, moe.shared):
+        for name, tensor in adapter.bank_buffers(ffn_state).items() if bank is not None else ():
+            bank.get_buffer(name).copy_(tensor)
     if moe.pre is not None:
         moe.pre.load_state_dict(adapter.pre_state(ffn_state))
     for weight in moe.router_weights():

@@ -30,6 +30,17 @@ def _conv_norm_sequential():  # iFormer's FFN body: ConvNorm -> GELU -> ConvNorm
     return nn.Sequential(timm_file("repvit").ConvNorm(C, H, 1), nn.GELU(), timm_file("repvit").ConvNorm(H, C, 1))
 
 
+def _clipped_gemma() -> nn.Module:
+    """Gemma 4's gated MLP with clippable linears, each with its own finite bounds, tight enough to bite."""
+    ffn = timm_file("gemma4_vit").Gemma4GatedMlp(C, H, use_clipped_linears=True)
+    bounds = {"gate_proj": (-0.5, 0.6, -0.4, 0.3), "up_proj": (-0.7, 0.5, -0.2, 0.35),
+              "down_proj": (-0.8, 0.9, -0.04, 0.05)}
+    for projection, values in bounds.items():
+        for name, value in zip(("input_min", "input_max", "output_min", "output_max"), values, strict=True):
+            getattr(ffn, projection).get_buffer(name).fill_(value)
+    return ffn
+
+
 FAMILIES = {  # name -> (a small dense FFN, its input is channels-first)
     "NormMlp": (lambda: timm_file("tiny_vit").NormMlp(C, H), False),
     "SwiftFormerMlp": (lambda: timm_file("swiftformer").Mlp(C, H), True),
@@ -47,6 +58,7 @@ FAMILIES = {  # name -> (a small dense FFN, its input is channels-first)
     "GatedMlp": (lambda: GatedMlp(C, H), False),
     "GeGluMlp": (lambda: timm_file("vitamin").GeGluMlp(C, H), False),
     "Gemma4GatedMlp": (lambda: timm_file("gemma4_vit").Gemma4GatedMlp(C, H), False),
+    "Gemma4GatedMlp(clipped)": (lambda: _clipped_gemma(), False),
     "Sequential(conv, bn, act, conv)": (lambda: nn.Sequential(nn.Conv2d(C, H, 1, bias=False), nn.BatchNorm2d(H),
                                                               nn.ReLU(), nn.Conv2d(H, C, 1, bias=False)), True),
     "Sequential(ConvNorm, act, ConvNorm)": (_conv_norm_sequential, True),
@@ -79,6 +91,8 @@ def test_an_expert_cut_from_every_unit_after_the_shared_pre_module_is_the_dense_
     with torch.no_grad():
         for param_name, param in bank.named_parameters():
             param[0].copy_(state[param_name].reshape(param.shape[1:]))
+        for buffer_name, tensor in adapter.bank_buffers(dense.state_dict()).items():
+            bank.get_buffer(buffer_name).copy_(tensor)
     pre = adapter.pre_module(dense)
     if pre is not None:
         pre.load_state_dict(adapter.pre_state(dense.state_dict()))
@@ -91,6 +105,17 @@ def test_an_expert_cut_from_every_unit_after_the_shared_pre_module_is_the_dense_
         got = bank.eval()(rows, torch.tensor([rows.shape[0]]))
         got = got.reshape(2, 3, 5, C).movedim(-1, 1) if channels_first else got.reshape(2, 15, C)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_clamp_bounds_bite_and_an_unclipped_bank_has_none():
+    dense = randomize(_clipped_gemma()).eval()
+    with torch.no_grad():
+        y = dense(3 * torch.randn(4, C))
+    assert (y == -0.04).any() and y.max() <= 0.05  # down_proj clamps its output
+    adapter = find_adapter(dense)
+    assert adapter.build_experts(dense, 2, H).clamp.shape == (3, 4)
+    plain = timm_file("gemma4_vit").Gemma4GatedMlp(C, H)
+    assert adapter.build_experts(plain, 2, H).clamp is None and adapter.bank_buffers(plain.state_dict()) == {}
 
 
 def test_the_bias_a_folded_batchnorm_gives_is_the_experts_even_where_the_conv_has_none():
@@ -107,8 +132,6 @@ REFUSED = {  # a dense FFN no expert can run -> words of the reason
     "gMLP": (lambda: GatedMlp(C, H, gate_layer=partial(timm_file("mlp_mixer").SpatialGatingUnit, seq_len=4)),
              "SpatialGatingUnit) mixes the tokens"),
     "efficientformer_v2 mid": (lambda: timm_file("efficientformer_v2").ConvMlpWithNorm(C, H, mid_conv=True), "`mid`"),
-    "gemma4 clipped": (lambda: timm_file("gemma4_vit").Gemma4GatedMlp(C, H, use_clipped_linears=True),
-                       "holds input_min, input_max"),
     "3x3 sequential": (lambda: nn.Sequential(nn.Conv2d(C, H, 1), nn.GELU(), nn.Conv2d(H, C, 3, padding=1)),
                        "is a 3x3 conv"),
 }

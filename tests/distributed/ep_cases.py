@@ -9,6 +9,7 @@ EVA_SWIGLU_NORM = {"model": "eva02_tiny_patch14_224",  # SwiGLU experts with an 
                    "kwargs": {"depth": 2, "img_size": 28, "embed_dim": 32, "num_heads": 2, "scale_mlp": True,
                               "num_classes": 10}}
 CONVNEXT_GRN = {"model": "convnextv2_atto", "kwargs": {"depths": (1, 1, 2, 1), "num_classes": 10}}  # GRN experts
+CLIPPED_GLU = {"model": "moespec_test_family_net", "kwargs": {"family": "Gemma4GatedMlpClipped"}}  # clamped GLU
 INPUT = {"vit": [3, 32, 32], "eva": [3, 28, 28], "convnext": [3, 32, 32]}
 
 EVERY = {"every": 1}
@@ -26,6 +27,7 @@ CASES: dict[str, tuple[dict, list[dict]]] = {
     "shared": (VIT, [{"where": EVERY, "experts": 4, "top_k": 2, "shared_experts": 1}]),
     "swiglu-norm": (EVA_SWIGLU_NORM, [{"where": EVERY, "experts": 4, "top_k": 2}]),
     "grn": (CONVNEXT_GRN, [{"where": {"stage_last": 2}, "experts": 4, "top_k": 1}]),
+    "clamped-glu": (CLIPPED_GLU, [{"where": EVERY, "experts": 4, "top_k": 2}]),
     "topk2-fp32": (VIT, [{"where": EVERY, "experts": 4, "top_k": 2}]),  # in float32: equal to 1e-5
     # every gate weight 0: all logits tie, every item goes to expert 0, the other ranks receive no rows
     "one-expert": (VIT, [{"where": EVERY, "experts": 4, "top_k": 1}]),

@@ -44,6 +44,10 @@ def run_case(name: str, rank: int, world: int) -> dict:
         with torch.no_grad():
             for layer in moespec.moe_layers(reference).values():
                 layer.router.gate.weight.zero_()
+    for layer in moespec.moe_layers(reference).values():  # clamp bounds that bite (a fresh bank's are infinite)
+        if layer.experts.clamp is not None:
+            layer.experts.clamp.copy_(torch.tensor([[-1.0, 1.2, -0.05, 0.04], [-1.5, 0.8, -0.04, 0.05],
+                                                    [-0.2, 0.3, -0.01, 0.02]]))
     model = copy.deepcopy(reference)
     generator = torch.Generator().manual_seed(1)
     x = torch.randn(world * PER_RANK, *size, generator=generator, dtype=dtype)

@@ -27,9 +27,13 @@ DIM, HIDDEN, EXPERTS, IMAGES, TOKENS = 32, 64, 4, 4, 9
 
 def _bank(kind: str = "gelu", experts: int = EXPERTS) -> Experts:
     options = {"gelu": {}, "swiglu": {"glu": "act_first", "bias": (False, False)},
-               "norm": {"inner_norm": "layernorm"}, "grn": {"inner_norm": "grn"}}[kind]
+               "norm": {"inner_norm": "layernorm"}, "grn": {"inner_norm": "grn"},
+               "clamped-glu": {"glu": "act_first", "clamped": True}}[kind]
     act = nn.SiLU() if kind == "swiglu" else nn.GELU()
-    return Experts(experts, DIM, HIDDEN, DIM, act=act, **options)
+    bank = Experts(experts, DIM, HIDDEN, DIM, act=act, **options)
+    if bank.clamp is not None:  # Gemma 4's bounds: fc1's two halves and fc2 each clamp input and output
+        bank.clamp.copy_(torch.tensor([[-1.0, 1.2, -0.02, 0.03], [-1.5, 0.8, -0.03, 0.02], [-0.2, 0.3, -1e-3, 1e-3]]))
+    return bank
 
 
 def _topk(**options) -> TopKRouter:
@@ -39,6 +43,7 @@ def _topk(**options) -> TopKRouter:
 LAYERS = {
     "topk2": lambda: MoE(_topk(), _bank()),
     "topk1-swiglu": lambda: MoE(_topk(top_k=1), _bank("swiglu")),
+    "topk2-clamped-glu": lambda: MoE(_topk(), _bank("clamped-glu")),
     "topk-capacity": lambda: MoE(_topk(capacity_factor=0.75), _bank()),
     "topk-bpr-drop-norm": lambda: MoE(_topk(capacity_factor=1.0, bpr=True, drop_fraction=0.25), _bank("norm")),
     "topk-capacity-batch-group": lambda: MoE(_topk(top_k=1, capacity_factor=0.5, group=None), _bank()),

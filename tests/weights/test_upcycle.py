@@ -29,9 +29,11 @@ def test_normalized_upcycle_reproduces_dense_logits(backbone, where, experts, to
     assert str(report).startswith("function-preserving: yes (max |dlogit| = ")
 
 
-@pytest.mark.parametrize("family", ["NormMlp", "GeGluMlp", "RepVitMlp", "LevitMlp", "FastVitConvMlp", "SequentialMlp"])
+@pytest.mark.parametrize("family", ["NormMlp", "GeGluMlp", "RepVitMlp", "LevitMlp", "FastVitConvMlp", "SequentialMlp",
+                                    "Gemma4GatedMlpClipped"])
 def test_composed_families_upcycle_to_the_dense_logits(family, dense_checkpoint):
-    """A shared `pre` module copied, BatchNorms folded into the experts: the eval-mode function is the dense one."""
+    """A shared `pre` module copied, BatchNorms folded into the experts, clamp bounds copied: the eval-mode
+    function is the dense one."""
     path, dense = dense_checkpoint(family_net(family))
     spec = make_spec(family_net(family), [{"where": {"every": 1}, "experts": 4, "top_k": 1,
                                            "router": {"normalize": True}}])
@@ -41,7 +43,9 @@ def test_composed_families_upcycle_to_the_dense_logits(family, dense_checkpoint)
         diff = (model.eval()(x) - dense(x)).abs().max().item()
     assert diff <= 1e-5 and report.function_preserving
     layer = model.blocks[0].mlp
-    assert (layer.pre is None) == (family in ("RepVitMlp", "LevitMlp", "SequentialMlp"))
+    assert (layer.pre is None) == (family in ("RepVitMlp", "LevitMlp", "SequentialMlp", "Gemma4GatedMlpClipped"))
+    if family == "Gemma4GatedMlpClipped":
+        assert layer.experts.clamp[2].tolist() == pytest.approx([-0.7, 0.8, -0.07, 0.06])  # down_proj's bounds
 
 
 def test_unnormalized_top_k_is_reported_not_preserving(dense_checkpoint):
