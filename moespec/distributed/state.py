@@ -75,11 +75,13 @@ def save_state(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimi
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.save(_training_state(model, optimizer), checkpoint_id=str(tmp))
         if writer:
-            (tmp / EXTRA).write_text(extra_json)
             spec = getattr(model, "moespec_spec", None)
             if spec is not None:
                 (tmp / SPEC_FILE).write_text(json.dumps({**spec_metadata(spec), SPEC_NAME_KEY: spec.name}))
+            (tmp / EXTRA).write_text(extra_json)  # last: a folder with extra.json in it is complete
             _swap_in(tmp, path)
+    except CheckpointException as error:  # DCP's BaseException: a rank could not write its files
+        raise _clean_error(path, error, "cannot save the training state") from None
     finally:
         if writer and tmp.exists():  # the save failed: the temp folder is this process's own
             shutil.rmtree(tmp)
@@ -108,7 +110,8 @@ def load_state(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimi
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load(state, storage_reader=_SafeReader(path, metadata), planner=planner)
     except CheckpointException as error:
-        raise _clean_error(path, error) from None
+        raise _clean_error(path, error, "cannot read the training state", "; is the folder complete, as save_state "
+                                                                          "wrote it?") from None
     model.load_state_dict({name: _local(t) for name, t in state["model"].items()})
     optim = state["optim"]
     optim["state"] = {name: {k: _local(v) for k, v in moments.items()} for name, moments in optim["state"].items()}
@@ -148,12 +151,12 @@ def _swap_in(tmp: Path, path: Path) -> None:
     if old.exists() and _ours(old):  # this process's (or a dead one's with this pid): an earlier swap's leftover
         shutil.rmtree(old)
     moved = path.exists()
-    if moved:
-        os.replace(path, old)
     try:
+        if moved:
+            os.replace(path, old)
         os.replace(tmp, path)
     except OSError as error:
-        if moved and not path.exists():
+        if moved and old.exists() and not path.exists():
             os.replace(old, path)
         raise CheckpointError(f"{path}: cannot replace the training state ({error.strerror or error})") from None
     if moved:
@@ -259,14 +262,25 @@ def _read_metadata(folder: Path, file: Path) -> Metadata:
         with open(file, "rb") as f:
             metadata = _MetadataUnpickler(f).load()
     except Exception as error:  # a refused class, a truncated or junk pickle: all one refusal
-        raise CheckpointError(f"{file}: not DCP metadata as save_state writes it ({str(error)[:160]}); "
+        raise CheckpointError(f"{file}: not DCP metadata as save_state writes it ({_gist(error)}); "
                               f"nothing in it was run") from None
     if not (isinstance(metadata, Metadata) and isinstance(metadata.state_dict_metadata, dict)
             and isinstance(metadata.storage_data, dict)
             and all(isinstance(i, _StorageInfo) and isinstance(i.relative_path, str)
-                    and DISTCP_FILE.match(i.relative_path) for i in metadata.storage_data.values())):
+                    and DISTCP_FILE.match(i.relative_path) and isinstance(i.offset, int) and isinstance(i.length, int)
+                    and i.offset >= 0 and i.length >= 0 for i in metadata.storage_data.values())):
         raise CheckpointError(f"{file}: not DCP metadata as save_state writes it (it must point at "
                               f"__RANK_N.distcp files of its own folder)")
+    ends: dict[str, int] = {}
+    for info in metadata.storage_data.values():
+        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+    for name, end in sorted(ends.items()):
+        data_file = folder / name
+        if not data_file.is_file():
+            raise CheckpointError(f"{data_file}: missing; the training state's {METADATA} points at it")
+        if data_file.stat().st_size < end:
+            raise CheckpointError(f"{data_file}: cut short at {data_file.stat().st_size} bytes; the training "
+                                  f"state's {METADATA} places data up to byte {end}")
     return metadata
 
 
@@ -332,9 +346,8 @@ class _SafeLoadPlanner(DefaultLoadPlanner):
         try:
             loaded = torch.load(value, weights_only=True)
         except Exception as error:
-            first = (str(error).strip().splitlines() or [type(error).__name__])[-1][:160]
-            raise CheckpointError(f"{self.path}: refused to unpickle the saved {fqn} ({first}); a training state "
-                                  f"holds plain values there") from None
+            raise CheckpointError(f"{self.path}: refused to unpickle the saved {fqn} ({_gist(error)}); a training "
+                                  f"state holds plain values there") from None
         if self.flatten_state_dict:
             set_element(self.original_state_dict, self.mappings[fqn], loaded)
         else:
@@ -374,7 +387,7 @@ def _described(name: Any, digest: Any) -> str:
     return f"{name if isinstance(name, str) else 'unnamed'!r} (sha256 {str(digest)[:12]})"
 
 
-def _clean_error(path: Path, error: CheckpointException) -> CheckpointError:
+def _clean_error(path: Path, error: CheckpointException, what: str, hint: str = "") -> CheckpointError:
     """One CheckpointError for DCP's CheckpointException (a BaseException holding each rank's failure): ours
     as it is, or the first rank's, in one line."""
     failures = [error.failures[rank][0] for rank in sorted(error.failures)]
@@ -382,9 +395,16 @@ def _clean_error(path: Path, error: CheckpointException) -> CheckpointError:
     if ours is not None:
         return CheckpointError(str(ours))
     first = failures[0] if failures else error
-    text = (str(first).strip().splitlines() or [""])[-1][:160]
-    return CheckpointError(f"{path}: cannot read the training state ({type(first).__name__}: {text}); is the "
-                           f"folder complete, as save_state wrote it?")
+    return CheckpointError(f"{path}: {what} ({type(first).__name__}: {_gist(first)}){hint}")
+
+
+def _gist(error: BaseException) -> str:
+    """An exception's message in one short line: the reason torch.load's weights-only unpickler gives, or the
+    first sentence of the first line."""
+    text = str(error)
+    reason = re.search(r"WeightsUnpickler error:\s*(\S.*)", text)
+    line = reason[1] if reason else next((line.strip() for line in text.splitlines() if line.strip()), "")
+    return line.split(". ")[0][:160] or type(error).__name__
 
 
 # -- the state dict --------------------------------------------------------------------------------------------

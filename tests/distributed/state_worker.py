@@ -203,6 +203,7 @@ def points(out: Path) -> dict:
     root = out / "points"
     root.mkdir()
     assert _in_child(partial(_save, root, 1)) == 0
+    _plant(root)  # as `kill` does: the folders a save looks at and leaves
     assert _in_child(partial(_save, root, 2, counts=out / "counts.json")) == 0
     return json.loads((out / "counts.json").read_text())
 
