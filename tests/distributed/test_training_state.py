@@ -238,3 +238,17 @@ def test_train_resume_with_another_spec_says_which_spec_the_state_was_saved_with
     err = capsys.readouterr().err.strip()
     assert err.startswith("train.py: error: ") and "\n" not in err, err
     assert "saved with spec 'ep-tiny' (sha256" in err and "this model is spec 'ep-tiny-8'" in err, err
+
+
+def test_train_resume_from_a_state_without_its_step_and_schedule_says_so(tmp_path, capsys):
+    train, spec = _train_script(), str(ROOT / "tests" / "data" / "ep_tiny.yaml")
+    run = ["--steps", "2", "--batch-size", "2", "--synthetic-size", "4"]
+    train.main([spec, *run, "--save-every", "1", "--output", str(tmp_path / "run")])
+    (tmp_path / "run" / "state" / "extra.json").write_text('{"step": 1}')  # as md.save_state(..., extra=...) saves
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_:
+        train.main([spec, *run, "--resume", str(tmp_path / "run")])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"train.py: error: {tmp_path / 'run' / 'state'}: not a state that tools/train.py saved (its "
+                   f"extra.json has no step and scheduler); resume from an --output folder of this script"), err
