@@ -193,8 +193,12 @@ def resume_from(path: Path, model: nn.Module, optimizer, scheduler) -> int:
     """Load model, optimizer and scheduler from a `save` folder (an --output folder or its state/); the step."""
     state = path / "state" if (path / "state").is_dir() else path
     extra = md.load_state(state, model, optimizer)
+    saved_by_train = isinstance(extra, dict) and isinstance(extra.get("scheduler"), dict)
+    if not (saved_by_train and isinstance(extra.get("step"), int)):
+        raise MoespecError(f"{state}: not a state that tools/train.py saved (its extra.json has no step and "
+                           f"scheduler); resume from an --output folder of this script")
     scheduler.load_state_dict(extra["scheduler"])
-    step = int(extra["step"])
+    step = extra["step"]
     # the learning rate of this run's schedule at `step` (with a new --steps, the cosine of the new length)
     for group, base, factor in zip(optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas, strict=True):
         group["lr"] = base * factor(step)

@@ -96,3 +96,11 @@ def expert_parameters(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Par
     params = list(model.parameters())
     return [p for p in params if id(p) in experts], [p for p in params if id(p) not in experts]
 
+
+def expert_slices(model: nn.Module) -> dict[str, slice]:
+    """State-dict name -> this rank's slice of the expert axis, for every sharded expert tensor."""
+    found = {}
+    for prefix, bank in sharded_banks(model).items():
+        for name, _ in bank.named_parameters():
+            found[f"{prefix}.{name}"] = slice(bank.first, bank.first + bank.local_experts)
+    return found

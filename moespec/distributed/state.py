@@ -1,0 +1,436 @@
+"""Training state: model + optimizer with torch.distributed.checkpoint (DCP), resumable at any world size.
+
+    save_state(path, model, optimizer, extra=...)   a collective; the folder is replaced whole or not at all
+    load_state(path, model, optimizer) -> extra     the experts resharded to this world size
+
+A state folder holds DCP's `.metadata` and `__{rank}_{n}.distcp` files, `extra.json` (the caller's dict) and
+`spec.json` (the spec the model was compiled from, so that a state that does not fit says which spec it was
+saved with). Written under a temporary name `.{name}.{pid}.{random}.tmp`, it is swapped in by two renames with
+the old folder moved aside as `.{name}.old-{pid}`. A save killed between the two leaves no folder at `path`;
+the next save_state or load_state finishes the swap (`_recover`), and removes what a killed save left, but only
+folders named by a process that no longer runs and holding nothing but state files.
+
+Reading trusts the folder no more than a safetensors file: `.metadata` is a pickle, read by an unpickler that
+builds DCP's own metadata classes and nothing else, and never read when it is larger than the data it
+describes; the few non-tensor items (optimizer hyperparameters) are read with `torch.load(weights_only=True)`,
+where DCP's default planner would unpickle anything.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import pickle
+import re
+import shutil
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader, Metadata
+from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+from ..errors import CheckpointError, MoespecError
+from ..io import check_output
+from ..io.atomic import _alive, default_mode
+from ..weights import SPEC_HASH_KEY, spec_metadata
+from .sharding import expert_group, expert_slices
+
+EXTRA, SPEC_FILE, METADATA = "extra.json", "spec.json", ".metadata"
+DISTCP_FILE = re.compile(r"__\d+_\d+\.distcp\Z")
+STATE_FILE = re.compile(r"(\.metadata(\.tmp)?|__\d+_\d+\.distcp|extra\.json|spec\.json)\Z")
+"""Every file a save writes into the folder (`.metadata.tmp` while DCP finishes): nothing else is ours."""
+SPEC_NAME_KEY = "moespec.spec_name"
+METADATA_SLACK_BYTES = 16 * 2**20
+"""DCP's `.metadata` is smaller than the data it describes (each entry is a few hundred bytes, each tensor or
+value it points to a torch.save blob of more); one larger than the data plus this is refused unread."""
+MAX_JSON_BYTES = 64 * 2**20  # extra.json and spec.json: a step count, a scheduler, a spec
+
+
+def save_state(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer, *,
+               extra: dict | None = None) -> None:
+    """Save model + optimizer state to the folder `path` with torch.distributed.checkpoint (a collective under
+    torch.distributed; also works in one process), the experts and their optimizer moments as DTensors sharded
+    on the expert axis, so that `load_state` reads it back at any world size. `extra` (step, scheduler state:
+    anything JSON holds) is saved beside it, and so is the model's spec. The folder is written whole under a
+    temporary name and swapped in: a save that fails or is killed leaves the previous state, or the new one."""
+    path = Path(path)
+    writer = not dist.is_initialized() or dist.get_rank() == 0
+    extra_json = json.dumps(extra or {})  # not JSON: fail before anything is written
+    tmp = _shared_temp_folder(path, writer)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.save(_training_state(model, optimizer), checkpoint_id=str(tmp))
+        if writer:
+            spec = getattr(model, "moespec_spec", None)
+            if spec is not None:
+                (tmp / SPEC_FILE).write_text(json.dumps({**spec_metadata(spec), SPEC_NAME_KEY: spec.name}))
+            (tmp / EXTRA).write_text(extra_json)  # last: a folder with extra.json in it is complete
+            _swap_in(tmp, path)
+    except CheckpointException as error:  # DCP's BaseException: a rank could not write its files
+        raise _clean_error(path, error, "cannot save the training state") from None
+    finally:
+        if writer and tmp.exists():  # the save failed: the temp folder is this process's own
+            shutil.rmtree(tmp)
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def load_state(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """Load what `save_state` wrote into `model` and `optimizer` (built for it), at this world size: the model
+    sharded like the one saved, over another number of ranks, or not at all. Returns the `extra` dict. A state
+    that is incomplete, altered or saved for another model is a `CheckpointError` that names the folder (and,
+    for another spec, the spec it was saved with and the first tensor that does not fit)."""
+    path = Path(path)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        try:
+            _recover(path)
+        except OSError:  # a read-only folder: nothing to finish here, read what is there
+            pass
+    if dist.is_initialized():
+        dist.barrier()
+    extra, saved, metadata = _on_every_rank(lambda: _read_state_files(path))
+    state = _training_state(model, optimizer)
+    planner = _SafeLoadPlanner(path, _spec_mismatch(saved, getattr(model, "moespec_spec", None)))
+    try:
+        with warnings.catch_warnings():  # in one process DCP warns that it loads without torch.distributed
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(state, storage_reader=_SafeReader(path, metadata), planner=planner)
+    except CheckpointException as error:
+        raise _clean_error(path, error, "cannot read the training state", "; is the folder complete, as save_state "
+                                                                          "wrote it?") from None
+    model.load_state_dict({name: _local(t) for name, t in state["model"].items()})
+    optim = state["optim"]
+    optim["state"] = {name: {k: _local(v) for k, v in moments.items()} for name, moments in optim["state"].items()}
+    set_optimizer_state_dict(model, optimizer, optim)
+    return extra
+
+
+# -- the swap, and what a killed swap leaves ---------------------------------------------------------------------
+
+def _shared_temp_folder(path: Path, writer: bool) -> Path:
+    """The temp folder every rank saves into: rank 0 finishes what a killed save left at `path` and makes it,
+    and sends its name (or its error, so that no rank waits for a name that never comes) to the others."""
+    made: list[Any] = [None]
+    if writer:
+        try:
+            check_output(path, force=True, folder=True)
+            _recover(path)
+            tmp = tempfile.mkdtemp(prefix=f".{path.name}.{os.getpid()}.", suffix=".tmp", dir=path.absolute().parent)
+            os.chmod(tmp, default_mode(directory=True))
+            made = [tmp]
+        except MoespecError as error:
+            made = [error]
+        except OSError as error:  # no permission, disk full, a file where a folder should be
+            made = [CheckpointError(f"{path}: cannot write the training state next to it "
+                                    f"({error.strerror or error})")]
+    if dist.is_initialized():
+        dist.broadcast_object_list(made, src=0)
+    if isinstance(made[0], MoespecError):
+        raise made[0]
+    return Path(made[0])
+
+
+def _swap_in(tmp: Path, path: Path) -> None:
+    """Rename the complete folder `tmp` to `path`, the old `path` moved aside first and removed after. Killed
+    between the renames, `path` is missing: `_recover` renames `tmp` (complete) there."""
+    old = path.with_name(f".{path.name}.old-{os.getpid()}")
+    if old.exists() and _ours(old):  # this process's (or a dead one's with this pid): an earlier swap's leftover
+        shutil.rmtree(old)
+    moved = path.exists()
+    try:
+        if moved:
+            os.replace(path, old)
+        os.replace(tmp, path)
+    except OSError as error:
+        if moved and old.exists() and not path.exists():
+            os.replace(old, path)
+        raise CheckpointError(f"{path}: cannot replace the training state ({error.strerror or error})") from None
+    if moved:
+        shutil.rmtree(old)
+
+
+def _recover(path: Path) -> None:
+    """Finish or undo what a save_state killed at any point left next to `path`: the old state moved aside with
+    no new one at `path` is replaced by the killed save's complete temp folder (or put back when there is
+    none), and the killed save's other folders are removed. Only folders with the names a save gives them,
+    named by a process that no longer runs, holding nothing but state files, are touched."""
+    olds, temps = _leftovers(path)
+    for pid, old in olds.items():
+        if not path.exists():
+            new = next((t for t in temps.get(pid, []) if (t / EXTRA).is_file() and (t / METADATA).is_file()), old)
+            os.replace(new, path)
+        if old.exists():
+            shutil.rmtree(old)
+    for folders in temps.values():
+        for tmp in folders:
+            if tmp.exists():
+                shutil.rmtree(tmp)
+
+
+def _leftovers(path: Path) -> tuple[dict[int, Path], dict[int, list[Path]]]:
+    """({pid: old folder}, {pid: [temp folders]}) next to `path` of save_states that no longer run."""
+    old_name = re.compile(re.escape(f".{path.name}.old-") + r"(\d+)\Z")
+    temp_name = re.compile(re.escape(f".{path.name}.") + r"(\d+)\.[a-z0-9_]{8}\.tmp\Z")  # tempfile.mkdtemp's
+    olds: dict[int, Path] = {}
+    temps: dict[int, list[Path]] = {}
+    parent = path.absolute().parent
+    if not parent.is_dir():
+        return olds, temps
+    for entry in parent.iterdir():
+        match = old_name.match(entry.name) or temp_name.match(entry.name)
+        if match is None or _alive(int(match[1])) or not _ours(entry):
+            continue
+        if match.re is old_name:
+            olds[int(match[1])] = entry
+        else:
+            temps.setdefault(int(match[1]), []).append(entry)
+    return olds, temps
+
+
+def _ours(folder: Path) -> bool:
+    """A real folder holding only files a save writes (or nothing yet)."""
+    return (folder.is_dir() and not folder.is_symlink()
+            and all(STATE_FILE.match(f.name) and f.is_file() and not f.is_symlink() for f in folder.iterdir()))
+
+
+# -- reading what a folder holds, trusting none of it ----------------------------------------------------------
+
+def _read_state_files(path: Path) -> tuple[Any, Any, Metadata]:
+    """(extra, the spec.json dict or None for a state saved before it, DCP's metadata) of the folder `path`,
+    read before DCP runs: DCP reports a metadata it cannot read as an AssertionError after logging a traceback
+    and trying another file."""
+    if not (path / EXTRA).is_file():
+        raise CheckpointError(f"{path}: no training state here (save_state writes a folder with {EXTRA} in it)")
+    if not (path / METADATA).is_file():
+        raise CheckpointError(f"{path}: has {EXTRA} but no {METADATA}; is the folder complete, as save_state wrote it?")
+    saved = _read_json(path / SPEC_FILE) if (path / SPEC_FILE).exists() else None
+    return _read_json(path / EXTRA), saved, _read_metadata(path, path / METADATA)
+
+
+def _on_every_rank(read):
+    """read() on every rank. Under torch.distributed the ranks agree: when it fails on any rank, every rank
+    raises the lowest failing rank's CheckpointError, rather than one raising while the others wait for it in
+    the next collective."""
+    result, error = None, None
+    try:
+        result = read()
+    except CheckpointError as failed:
+        error = str(failed)
+    if dist.is_initialized():
+        errors: list[str | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, error)
+        error = next((e for e in errors if e is not None), None)
+    if error is not None:
+        raise CheckpointError(error)
+    return result
+
+
+def _read_json(file: Path) -> Any:
+    size = file.stat().st_size
+    if size > MAX_JSON_BYTES:
+        raise CheckpointError(f"{file}: {size} bytes, over the {MAX_JSON_BYTES} a training state's {file.name} "
+                              f"can be; not read")
+    try:
+        return json.loads(file.read_bytes())
+    except (ValueError, OSError) as error:
+        raise CheckpointError(f"{file}: not the JSON save_state writes ({str(error)[:120]})") from None
+
+
+def _read_metadata(folder: Path, file: Path) -> Metadata:
+    """DCP's `.metadata` of `folder`, unpickled by `_MetadataUnpickler`; refused unread when larger than the
+    folder's data (plus METADATA_SLACK_BYTES), and checked to point only at the folder's own `.distcp` files."""
+    size = file.stat().st_size
+    data = sum(f.stat().st_size for f in folder.glob("*.distcp") if f.is_file())
+    if size > data + METADATA_SLACK_BYTES:
+        raise CheckpointError(f"{file}: {size} bytes of DCP metadata for {data} bytes of data; a training state's "
+                              f"metadata is smaller than its data; not read")
+    try:
+        with open(file, "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+    except Exception as error:  # a refused class, a truncated or junk pickle: all one refusal
+        raise CheckpointError(f"{file}: not DCP metadata as save_state writes it ({_gist(error)}); "
+                              f"nothing in it was run") from None
+    if not (isinstance(metadata, Metadata) and isinstance(metadata.state_dict_metadata, dict)
+            and isinstance(metadata.storage_data, dict)
+            and all(isinstance(i, _StorageInfo) and isinstance(i.relative_path, str)
+                    and DISTCP_FILE.match(i.relative_path) and isinstance(i.offset, int) and isinstance(i.length, int)
+                    and i.offset >= 0 and i.length >= 0 for i in metadata.storage_data.values())):
+        raise CheckpointError(f"{file}: not DCP metadata as save_state writes it (it must point at "
+                              f"__RANK_N.distcp files of its own folder)")
+    ends: dict[str, int] = {}
+    for info in metadata.storage_data.values():
+        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+    for name, end in sorted(ends.items()):
+        data_file = folder / name
+        if not data_file.is_file():
+            raise CheckpointError(f"{data_file}: missing; the training state's {METADATA} points at it")
+        if data_file.stat().st_size < end:
+            raise CheckpointError(f"{data_file}: cut short at {data_file.stat().st_size} bytes; the training "
+                                  f"state's {METADATA} places data up to byte {end}")
+    return metadata
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """An unpickler that builds DCP's metadata classes, torch dtypes, sizes and layouts, and paths, and refuses
+    every other global: a planted `.metadata` whose pickle would run code is refused before anything runs."""
+
+    ALLOWED = {(c.__module__, c.__qualname__): c for c in (
+        Metadata, dcp_metadata.MetadataIndex, dcp_metadata.StorageMeta, dcp_metadata.TensorStorageMetadata,
+        dcp_metadata.BytesStorageMetadata, dcp_metadata.ChunkStorageMetadata, dcp_metadata.TensorProperties,
+        dcp_metadata._MEM_FORMAT_ENCODING, _StorageInfo, torch.Size, torch.serialization._get_layout)}
+    PATHS = ("PurePosixPath", "PureWindowsPath", "PosixPath", "WindowsPath", "Path")  # StorageMeta.checkpoint_id
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in self.ALLOWED:
+            return self.ALLOWED[module, name]
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        if module.split(".")[0] == "pathlib" and name in self.PATHS:
+            return getattr(pathlib, name)
+        raise pickle.UnpicklingError(f"refused to build {module}.{name}")
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise pickle.UnpicklingError("refused a persistent id")
+
+
+class _SafeReader(FileSystemReader):
+    """DCP's file reader, given the metadata that `_read_metadata` read (bounded, by a restricted unpickler)
+    instead of unpickling `.metadata` itself."""
+
+    def __init__(self, path: Path, metadata: Metadata):
+        super().__init__(path)
+        self.metadata = metadata
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        metadata = self.metadata
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = dcp_metadata.StorageMeta()
+        metadata.storage_meta.load_id = self.load_id  # as FileSystemReader.read_metadata does
+        return metadata
+
+
+class _SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner that checks every tensor against the saved ones first (a clear error naming
+    the spec the state was saved with and the first mismatch, where DCP says "Size mismatch"), and reads the
+    non-tensor items with `torch.load(weights_only=True)` (DCP's own loads them with weights_only=False)."""
+
+    def __init__(self, path: Path, spec_note: str):
+        super().__init__()
+        self.path, self.spec_note = path, spec_note
+
+    def set_up_planner(self, state_dict: dict, metadata: Metadata | None = None, is_coordinator: bool = False
+                       ) -> None:
+        super().set_up_planner(state_dict, metadata, is_coordinator)
+        mismatch = _first_mismatch(self.state_dict, metadata.state_dict_metadata)
+        if mismatch:
+            hint = "; resume with the spec it was saved with" if self.spec_note else ""
+            raise CheckpointError(f"{self.path}: {self.spec_note or 'saved for another model or optimizer'}: "
+                                  f"{mismatch}{hint}")
+
+    def load_bytes(self, read_item: Any, value: Any) -> None:
+        fqn = read_item.dest_index.fqn
+        try:
+            loaded = torch.load(value, weights_only=True)
+        except Exception as error:
+            raise CheckpointError(f"{self.path}: refused to unpickle the saved {fqn} ({_gist(error)}); a training "
+                                  f"state holds plain values there") from None
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[fqn], loaded)
+        else:
+            self.state_dict[fqn] = loaded
+
+
+def _first_mismatch(state: dict[str, Any], saved: dict[str, Any]) -> str:
+    """The first entry of the (flattened) state dict that the saved state lacks or holds at another shape, and
+    how many more are missing; "" when every entry fits."""
+    missing = [fqn for fqn in state if fqn not in saved]
+    for fqn, value in state.items():
+        kept = saved.get(fqn)
+        if torch.is_tensor(value) and kept is not None:
+            if not isinstance(kept, dcp_metadata.TensorStorageMetadata):
+                return f"{fqn} is a tensor here, a value there"
+            if tuple(kept.size) != tuple(value.size()):
+                return f"{fqn} is {list(kept.size)} there, {list(value.size())} here"
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        return f"it has no {missing[0]}{more}"
+    return ""
+
+
+def _spec_mismatch(saved: Any, spec: Any) -> str:
+    """"saved with spec 'a' (sha256 ...), this model is spec 'b' (...)" when `spec.json` names another spec
+    than the model's; "" when the spec is the same or either is unknown (a state saved before spec.json)."""
+    if not isinstance(saved, dict) or spec is None:
+        return ""
+    ours = spec_metadata(spec)
+    if saved.get(SPEC_HASH_KEY) == ours[SPEC_HASH_KEY]:
+        return ""
+    return (f"saved with spec {_described(saved.get(SPEC_NAME_KEY), saved.get(SPEC_HASH_KEY))}, this model is spec "
+            f"{_described(spec.name, ours[SPEC_HASH_KEY])}")
+
+
+def _described(name: Any, digest: Any) -> str:
+    return f"{name if isinstance(name, str) else 'unnamed'!r} (sha256 {str(digest)[:12]})"
+
+
+def _clean_error(path: Path, error: CheckpointException, what: str, hint: str = "") -> CheckpointError:
+    """One CheckpointError for DCP's CheckpointException (a BaseException holding each rank's failure): ours
+    as it is, or the first rank's, in one line."""
+    failures = [error.failures[rank][0] for rank in sorted(error.failures)]
+    ours = next((f for f in failures if isinstance(f, MoespecError)), None)
+    if ours is not None:
+        return CheckpointError(str(ours))
+    first = failures[0] if failures else error
+    return CheckpointError(f"{path}: {what} ({type(first).__name__}: {_gist(first)}){hint}")
+
+
+def _gist(error: BaseException) -> str:
+    """An exception's message in one short line: the reason torch.load's weights-only unpickler gives, or the
+    first sentence of the first line."""
+    text = str(error)
+    reason = re.search(r"WeightsUnpickler error:\s*(\S.*)", text)
+    line = reason[1] if reason else next((line.strip() for line in text.splitlines() if line.strip()), "")
+    return line.split(". ")[0][:160] or type(error).__name__
+
+
+# -- the state dict --------------------------------------------------------------------------------------------
+
+def _training_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """{"model", "optim"} state dicts by parameter name; under expert parallelism the sharded tensors are
+    wrapped as DTensors on a 1-D mesh of the expert group."""
+    slices = expert_slices(model)
+    optim = get_optimizer_state_dict(model, optimizer)
+    model_state = model.state_dict()
+    if not slices:
+        return {"model": model_state, "optim": optim}
+    mesh = DeviceMesh.from_group(expert_group(model), next(model.parameters()).device.type)
+    model_state = {name: _sharded(t, mesh) if name in slices else t for name, t in model_state.items()}
+    optim["state"] = {name: {k: _sharded(v, mesh) if name in slices and torch.is_tensor(v) and v.dim() else v
+                             for k, v in moments.items()} for name, moments in optim["state"].items()}
+    return {"model": model_state, "optim": optim}
+
+
+def _sharded(local: torch.Tensor, mesh: DeviceMesh) -> DTensor:
+    world = mesh.size()
+    shape = (local.shape[0] * world, *local.shape[1:])
+    return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=torch.Size(shape),
+                              stride=torch.empty(shape, device="meta").stride())
+
+
+def _local(t):
+    return t.to_local() if isinstance(t, DTensor) else t
+
