@@ -157,7 +157,8 @@ def dense_model(spec: Spec, checkpoint: str | Path | None = None, *,
     else:
         dense, source = create_backbone(spec), f"fresh {spec.backbone.model} (random init)"
         origin = f"{spec.source or spec.name}: backbone: a fresh {spec.backbone.model}"
-    refuse_non_finite(dense.state_dict(), origin)  # every source: timm's pretrained loader checks nothing
+    buffers = {name for name, _ in dense.named_buffers()}
+    refuse_non_finite(dense.state_dict(), origin, buffers)  # every source: timm's pretrained loader checks nothing
     return dense, source
 
 
@@ -168,9 +169,11 @@ def _fits_as_is(checkpoint: str | Path, model: nn.Module) -> bool:
     return safetensors_shapes(checkpoint) == {k: tuple(v.shape) for k, v in model.state_dict().items()}
 
 
-def refuse_non_finite(state: dict[str, torch.Tensor], source: str) -> None:
-    """Upcycling copies weights into every expert: a NaN or Inf would poison them all."""
-    bad = [name for name, t in state.items() if t.is_floating_point() and not torch.isfinite(t).all()]
+def refuse_non_finite(state: dict[str, torch.Tensor], source: str, buffers: set[str] = frozenset()) -> None:
+    """Upcycling copies weights into every expert: a NaN or Inf would poison them all. The `buffers` may hold
+    +-Inf, not NaN (a bound: Gemma 4's clippable linears are unbounded until a checkpoint bounds them)."""
+    bad = [name for name, t in state.items() if t.is_floating_point()
+           and not (t.isnan().any().logical_not() if name in buffers else torch.isfinite(t).all())]
     if bad:
         more = f" (+{len(bad) - 3} more)" if len(bad) > 3 else ""
         raise CheckpointError(f"{source}: {', '.join(bad[:3])}{more} hold NaN or Inf values; refusing to upcycle "

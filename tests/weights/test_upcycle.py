@@ -195,3 +195,16 @@ def test_shared_experts_and_soft_moe_say_plainly_that_they_change_the_function(r
     state = model.state_dict()
     if shared:  # the shared expert is the dense FFN too
         assert torch.equal(state["blocks.1.mlp.shared.fc1.weight"][0], state["blocks.1.mlp.experts.fc1.weight"][0])
+
+
+def test_buffers_may_be_unbounded_but_nothing_may_be_nan():
+    """A fresh Gemma 4 clippable linear's bounds are +-Inf buffers: upcycling takes them. A NaN anywhere, or an
+    Inf in a weight, is refused."""
+    from moespec.weights import refuse_non_finite
+
+    inf = torch.tensor([-float("inf"), float("inf")])
+    refuse_non_finite({"clip.bounds": inf, "fc.weight": torch.ones(2)}, "src", buffers={"clip.bounds"})
+    for state in ({"clip.bounds": torch.tensor([float("nan")]), "fc.weight": torch.ones(2)},
+                  {"clip.bounds": inf, "fc.weight": inf}):
+        with pytest.raises(CheckpointError, match="hold NaN or Inf values"):
+            refuse_non_finite(state, "src", buffers={"clip.bounds"})
