@@ -16,6 +16,7 @@ truth for names, types and defaults. The `where:` and `router:` fields are union
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Annotated, Any, Literal, Optional, Union
 
@@ -70,8 +71,10 @@ INT64 = (-(2**63), 2**63 - 1)
 overflow with a C++ frame dump. Sizes that fit but are too large to build are the memory guard's to refuse."""
 
 
-def _fits_int64(value: Any) -> Any:
-    """A `backbone.kwargs` value whose integers (also inside lists and mappings: `img_size: [h, w]`) fit int64."""
+def _fits_torch(value: Any) -> Any:
+    """A `backbone.kwargs` value whose integers (also inside lists and mappings: `img_size: [h, w]`) fit int64
+    and whose floats are finite: `drop_rate: .nan` reached timm, and the refusal that came back was blamed on
+    another field."""
     stack = [value]
     while stack:
         item = stack.pop()
@@ -82,6 +85,8 @@ def _fits_int64(value: Any) -> Any:
         elif isinstance(item, int) and not INT64[0] <= item <= INT64[1]:
             raise ValueError(f"{item} does not fit torch's 64-bit integers; timm's arguments are between -2**63 "
                              f"and 2**63 - 1")
+        elif isinstance(item, float) and not math.isfinite(item):
+            raise ValueError(f"{item} is not a finite number; timm's arguments (rates, scales, sizes) are finite")
     return value
 
 
@@ -90,7 +95,7 @@ class Backbone(SpecModel):
 
     model: Annotated[str, Field(min_length=1)]
     """Any timm model name, e.g. `vit_small_patch16_224`."""
-    kwargs: dict[str, Annotated[Any, AfterValidator(_fits_int64)]] = {}
+    kwargs: dict[str, Annotated[Any, AfterValidator(_fits_torch)]] = {}
     """Forwarded to `timm.create_model` (img_size, depth, embed_dim, num_classes, ...)."""
     checkpoint: Optional[str] = None
     """Local dense checkpoint (.safetensors/.pth/.bin) to upcycle from; relative paths are relative to the

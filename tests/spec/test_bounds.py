@@ -154,3 +154,16 @@ def test_the_largest_router_noise_trains_to_finite_outputs():
     spec = load_spec({**in_group(lambda v: {"router": {"top_k": 2, "noise": v}})(100.0), "input_size": [3, 64, 64]})
     model = create_model(spec, seed=0).train()
     assert torch.isfinite(model(torch.randn(2, 3, 64, 64))).all()
+
+
+@pytest.mark.parametrize("value", [".nan", ".inf", "-.inf", "[0.1, .nan]"])
+def test_backbone_kwargs_floats_are_finite_and_refused_where_they_are(tmp_path, value):
+    """`drop_rate: .nan` reached timm, and its refusal was reported at `input_size`."""
+    path = tmp_path / "nan.yaml"
+    text = TINY_SPEC_YAML.replace("num_classes: 10}", f"num_classes: 10, drop_rate: {value}}}")
+    path.write_text(text, encoding="utf-8")
+    result = CliRunner().invoke(app, ["validate", str(path)])
+    column = text.splitlines()[1].index("drop_rate") + 1
+    assert (result.exit_code, result.stdout) == (2, "")
+    assert result.stderr.startswith(f"moespec: error: {path}:2:{column}: backbone.kwargs.drop_rate: ")
+    assert "is not a finite number" in result.stderr and result.stderr.count("\n") == 1
