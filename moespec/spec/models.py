@@ -17,6 +17,7 @@ truth for names, types and defaults. The `where:` and `router:` fields are union
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 from typing import Annotated, Any, Literal, Optional, Union
 
@@ -36,8 +37,8 @@ from pydantic.fields import FieldInfo
 
 from .compat import DEFAULT_ROUTER_KIND, MOVED_TO_ROUTER, router_kind_of, upgrade_group
 from .fields import FloatRange, IntRange, OneOrList, SpecModel
-from .registry import ROUTER_KINDS, RouterSpec, on_register
-from .selectors import where_type
+from .registry import ROUTER_KINDS, FieldError, RouterSpec, on_register
+from .selectors import MAX_BLOCKS, where_type
 
 DENSE_SUFFIXES = (".safetensors", ".pth", ".pt", ".bin", ".pth.tar")
 """The dense checkpoint files `backbone.checkpoint` may name."""
@@ -113,6 +114,27 @@ class Backbone(SpecModel):
                 f"backbone.checkpoint instead"
             )
         return kwargs
+
+    @field_validator("kwargs")
+    @classmethod
+    def _addressable_depth(cls, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """A block count in kwargs (`depth`, `depths`, `layers`, `num_blocks`, ...) of at most `MAX_BLOCKS`:
+        timm spends time on every block before it builds the first (ViT's drop-path rates: 12 s for `depth:
+        1000000`), so this is checked here, before any build; `backbones.placement.module_budget` bounds the
+        rest of a build."""
+        for key, value in kwargs.items():
+            counts = value if isinstance(value, (list, tuple)) else [value]
+            if not BLOCK_COUNT_KEY.search(key) or not all(type(n) is int for n in counts):
+                continue
+            if sum(counts) > MAX_BLOCKS:
+                raise FieldError(key, f"{sum(counts):,} blocks is more than the {MAX_BLOCKS:,} a spec can select "
+                                      f"(timm builds every block, even for a plan); check {key}")
+        return kwargs
+
+
+BLOCK_COUNT_KEY = re.compile(r"depth|layers|blocks")
+"""timm's names for a backbone's block counts, e.g. `depth` (ViT), `depths` (ConvNeXt, Swin), `layers` (ResNet),
+`num_blocks` (MLP-Mixer); ones that name no count (`return_interm_layers`, `depth_mult`) hold no integers."""
 
 
 def router_type() -> Any:
