@@ -55,7 +55,7 @@ def _create(backbone: Backbone, device: torch.device, pretrained: bool) -> nn.Mo
         except TooManyModules as err:
             raise SpecError(Problem(
                 f"{backbone.model} with these kwargs has more than {err.args[0]:,} modules (the largest timm "
-                f"backbones have under 2,000); refusing to build it, even for a plan: check depth / depths",
+                f"backbones have under 3,000); refusing to build it, even for a plan: check depth / depths",
                 path="backbone.kwargs" if backbone.kwargs else "backbone.model")) from None
         except TypeError as err:
             fixed = re.search(r"got multiple values for keyword argument '(\w+)'", str(err))
