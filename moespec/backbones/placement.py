@@ -26,8 +26,9 @@ MEMORY_SHARE = 0.8
 """The share of a device's memory that one build may take (the rest: activations, the OS, other processes)."""
 MAX_BACKBONE_MODULES = 10_000
 """Submodules a backbone may register while it is built: 4 x the most of any of timm's 1,371 models at their
-defaults (resnetrs420: 2,541; efficientnet_l2: 1,757; ViT-g/14: 1,068). Even a build on the meta device costs a Python object per module, about 0.2 ms and a few kB
-each, so `depth: 1000000` took gigabytes and hours before any tensor was counted."""
+defaults (resnetrs420: 2,541; efficientnet_l2: 1,757; ViT-g/14: 1,068). Even a build on the meta device costs a
+Python object per module, about 0.2 ms and a few kB each, so `depth: 1000000` took gigabytes and hours before
+any tensor was counted."""
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
