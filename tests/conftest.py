@@ -211,3 +211,29 @@ def dense_checkpoint(tmp_path):
         return path, model
 
     return make
+
+
+MEASURED = """\
+import resource, subprocess, sys, time
+start = time.monotonic()
+try:
+    done = subprocess.run(sys.argv[2:], capture_output=True, text=True, timeout=float(sys.argv[1]))
+    code, out, err = done.returncode, done.stdout, done.stderr
+except subprocess.TimeoutExpired as expired:
+    code, out, err = "timeout", expired.stdout or b"", expired.stderr or b""
+    out, err = (s.decode(errors="replace") if isinstance(s, bytes) else s for s in (out, err))
+print(repr((code, out, err, time.monotonic() - start, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)))
+"""
+
+
+def measured_run(argv: list[str], timeout: float, env: dict | None = None) -> tuple:
+    """Run `argv` in a subprocess of a subprocess with a timeout: (exit code or "timeout", stdout, stderr,
+    seconds, peak RSS in kB of the command alone, from its parent's `getrusage(RUSAGE_CHILDREN)`)."""
+    import ast
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", MEASURED, str(timeout), *argv], capture_output=True, text=True,
+                          timeout=timeout + 60, env=env)
+    assert done.returncode == 0, done.stderr
+    return ast.literal_eval(done.stdout)

@@ -17,7 +17,7 @@ from torch import nn
 from ..errors import Problem, SpecError, did_you_mean
 from ..spec import Backbone, Spec, located
 from .meta import SkipMetaWrites
-from .placement import refuse_if_too_large, resolve_device
+from .placement import TooManyModules, module_budget, refuse_if_too_large, resolve_device
 
 
 def create_backbone(spec: Spec, *, device: str | torch.device = "cpu", pretrained: bool = False,
@@ -50,8 +50,13 @@ def _create(backbone: Backbone, device: torch.device, pretrained: bool) -> nn.Mo
         try:
             # SkipMetaWrites: timm's initialization of the parameters that are on the meta device (all of them on
             # device="meta", all in `create_weightless_backbone`) costs nothing
-            with device, _override_builder_kwargs(backbone.model, overrides), SkipMetaWrites():
+            with device, _override_builder_kwargs(backbone.model, overrides), SkipMetaWrites(), module_budget():
                 return timm.create_model(backbone.model, pretrained=pretrained, **kwargs).eval()
+        except TooManyModules as err:
+            raise SpecError(Problem(
+                f"{backbone.model} with these kwargs has more than {err.args[0]:,} modules (the largest timm "
+                f"backbones have under 3,000); refusing to build it, even for a plan: check depth / depths",
+                path="backbone.kwargs" if backbone.kwargs else "backbone.model")) from None
         except TypeError as err:
             fixed = re.search(r"got multiple values for keyword argument '(\w+)'", str(err))
             if fixed is None or fixed.group(1) not in kwargs:
@@ -59,10 +64,26 @@ def _create(backbone: Backbone, device: torch.device, pretrained: bool) -> nn.Mo
                                         + _argument_hint(backbone.model, str(err)), path="backbone.kwargs")) from None
             overrides[fixed.group(1)] = kwargs.pop(fixed.group(1))
         except Exception as err:  # timm's own checks of the values, e.g. "dim should be divisible by num_heads"
+            if pretrained:
+                raise SpecError(_pretrained_problem(backbone, err)) from None
             if not backbone.kwargs:
                 raise
             raise SpecError(Problem(f"timm could not build {backbone.model!r} with these kwargs: "
                                     f"{type(err).__name__}: {_one_line(err)}", path="backbone.kwargs")) from None
+
+
+def _pretrained_problem(backbone: Backbone, error: Exception) -> Problem:
+    """Why timm's pretrained weights could not be had: a download that failed (an OSError: no network, the Hub
+    offline, a missing file; hub and requests errors are OSErrors), or weights that do not fit the model."""
+    cause = f"{type(error).__name__}: {_one_line(error)}"
+    cause = cause if len(cause) <= 120 else cause[:117] + "..."
+    if isinstance(error, OSError):
+        return Problem(f"could not download timm's pretrained weights for {backbone.model!r} ({cause}); with no "
+                       f"network, save them to a .safetensors or .pth file and name it in backbone.checkpoint (or "
+                       f"upcycle --checkpoint) instead", path="backbone.pretrained")
+    fit = " with these kwargs" if backbone.kwargs else ""
+    return Problem(f"timm could not load its pretrained weights for {backbone.model!r}{fit} ({cause}); give a dense "
+                   f"checkpoint in backbone.checkpoint instead of pretrained: true", path="backbone.pretrained")
 
 
 def _one_line(error: Exception) -> str:

@@ -1,6 +1,7 @@
 """Stage 7, counting: parameters and MACs of a spec, and their presentation.
 
     flops.py   fvcore with moespec's op handles; MoE layers costed analytically
+    budget.py  refuse a count whose forward would take more MACs or memory than the machine can give
     stats.py   SpecStats / LayerStats records: total and activated params and GMACs, dense for comparison
     ranks.py   RankStats: one rank's params and fp32 training bytes under expert parallelism over W ranks
     report.py  records (and plans) as a table, Markdown, CSV or JSON

@@ -29,6 +29,7 @@ from ..compiler import compile_model, moe_layers
 from ..errors import SpecError
 from ..planning import INPUT_SIZE_ERRORS, LayerPlan, input_size_problem, plan_for
 from ..spec import Spec
+from .budget import refuse_uncountable
 from .flops import MacCount, count_macs
 
 
@@ -100,6 +101,7 @@ def _count(spec: Spec) -> SpecStats:
     """The counts of `spec`, from a dense backbone and a compiled model that live only as long as this call."""
     backbone = create_weightless_backbone(spec)
     plan = plan_for(spec, backbone)
+    refuse_uncountable(spec, plan.input_size)
     dense_params, dense_macs = count_params(backbone), _macs(spec, backbone, plan.input_size).total
     model = compile_model(backbone, plan, moe_device="meta")  # experts are counted and costed, never run
     macs = _macs(spec, model, plan.input_size)

@@ -17,6 +17,7 @@ import contextlib
 import hashlib
 import json
 import os
+import stat
 import tempfile
 from dataclasses import asdict
 from importlib import metadata
@@ -119,7 +120,11 @@ def _write(file: Path, sketch: BackboneSketch, refusals: dict) -> None:
 def _read(file: Path) -> tuple[BackboneSketch, dict] | None:
     """The entry at `file`, or None when there is none or it is not a whole entry of this format."""
     try:
-        with open(file, "rb") as f:
+        # O_NONBLOCK: opening a fifo planted at the entry's path would wait for a writer; fstat then skips it
+        descriptor = os.open(file, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        with open(descriptor, "rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):  # a fifo, socket, device or folder
+                return None
             data = f.read(MAX_ENTRY_BYTES + 1)
         entry = json.loads(data) if len(data) <= MAX_ENTRY_BYTES else None
         if not isinstance(entry, dict) or entry.get("format") != FORMAT:

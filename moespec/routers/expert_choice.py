@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Literal
 
-from ..spec.fields import PositiveFloat
+from ..spec.fields import FloatRange
 from ..spec.registry import RouterSpec, register_router_kind
 from .gates import (
+    MAX_CAPACITY_FACTOR,
     TOKENS,
     Gate,
     GateField,
@@ -27,7 +28,7 @@ class ExpertChoiceRouterSpec(RouterSpec):
     kind: Literal["expert_choice"]
     group: RoutingGroup = None
     gate: GateField = Gate()
-    capacity: PositiveFloat = 1.0
+    capacity: FloatRange(0.0, MAX_CAPACITY_FACTOR, low_open=True) = 1.0
     """c: on average each item is processed by c experts."""
 
     title: ClassVar[str] = "expert choice"

@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal, Optional, Union
 
 from pydantic import BeforeValidator, Field, model_validator
 
-from ..spec.fields import IntRange, PositiveFloat, SpecModel
+from ..spec.fields import FloatRange, IntRange, SpecModel
+from ..spec.models import MAX_EXPERTS
 from ..spec.registry import Inspection
 
 if TYPE_CHECKING:  # torch and the layers are imported where used (see routers/__init__)
@@ -23,6 +24,13 @@ MAX_GROUP_IMAGES = 1_048_576
 """Images per routing group (2**20): more than any batch; V-MoE groups a device's batch (Riquelme et al. 2021)."""
 MAX_GATE_DIM = 65_536
 """A cosine / l2 gate's projection width: X-MoE uses 16; 65,536 is wider than any backbone's items."""
+TEMPERATURES = (1e-3, 1e3)
+"""A cosine / l2 gate's temperature: X-MoE's 0.07 / 70 and x 14,000. Logits are similarities divided by it, so a
+smaller one makes them overflow (to inf, then NaN in the softmax); a larger one makes every gate equal."""
+MAX_CAPACITY_FACTOR = float(MAX_EXPERTS)
+"""A capacity factor (top-k) or capacity (expert choice): a factor of experts / top_k already lets every expert
+take every item, and no layer has more than `MAX_EXPERTS` experts; Switch uses 1.25 (Fedus et al. 2022), expert
+choice 1 or 2 (Zhou et al. 2022)."""
 
 
 class Gate(SpecModel):
@@ -36,7 +44,7 @@ class Gate(SpecModel):
     kind: Literal["linear", "cosine", "l2"] = "linear"
     dim: Optional[IntRange(1, MAX_GATE_DIM)] = None
     """Projection width of cosine / l2 gates; default 16 (X-MoE)."""
-    temperature: Optional[PositiveFloat] = None
+    temperature: Optional[FloatRange(*TEMPERATURES)] = None
     """Divides cosine / l2 logits; default 0.07."""
 
     @model_validator(mode="after")

@@ -7,10 +7,11 @@ from typing import Annotated, Any, ClassVar, Literal, Optional, Union
 
 from pydantic import Field, model_validator
 
-from ..spec.fields import IntRange, NonNegativeFloat, PositiveFloat
-from ..spec.models import MAX_EXPERTS
+from ..spec.fields import FloatRange, IntRange
+from ..spec.models import MAX_EXPERTS, MAX_NOISE_STD
 from ..spec.registry import FieldError, RouterSpec, register_router_kind
 from .gates import (
+    MAX_CAPACITY_FACTOR,
     TOKENS,
     Gate,
     GateField,
@@ -30,13 +31,13 @@ class TopKRouterSpec(RouterSpec):
     kind: Literal["topk"] = "topk"
     top_k: IntRange(1, MAX_EXPERTS) = 1
     """Experts per item k, 1 <= k <= experts."""
-    capacity_factor: Optional[PositiveFloat] = None
+    capacity_factor: Optional[FloatRange(0.0, MAX_CAPACITY_FACTOR, low_open=True)] = None
     """Each expert takes at most ceil(capacity_factor * top_k * T / experts) of T items; null = dropless."""
     group: RoutingGroup = None
     gate: GateField = Gate()
     normalize: bool = False
     """Renormalize the k selected gate values to sum to 1 (makes an upcycled model exactly dense)."""
-    noise: Union[bool, NonNegativeFloat] = False
+    noise: Union[bool, FloatRange(0.0, MAX_NOISE_STD)] = False
     """Noisy top-k (training only): `true` adds N(0, (1/E)^2) to the logits; a number sets the std."""
     bpr: bool = False
     """Batch prioritized routing: with a capacity factor, fill capacity by highest gate value, not position."""

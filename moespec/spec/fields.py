@@ -2,8 +2,8 @@
 
 Counts are strict: `experts: true` or `experts: 2.5` is an error, not 1 or 2, and bounded: each integer field
 says how large it may be, with the reason next to the bound, so that `experts: 10**30` is a spec error, not
-a C++ overflow in torch. Factors are finite: `.inf` and `.nan` are YAML floats, but no width, capacity or
-weight.
+a C++ overflow in torch. Floats are finite and bounded too: `.inf`, `.nan` and `1e308` are YAML floats, but no
+width, capacity, std or weight.
 """
 
 from __future__ import annotations
@@ -28,8 +28,14 @@ def IntRange(low: int, high: int, *, strict: bool = True) -> Any:
     return Annotated[int, Field(strict=strict), AfterValidator(within),
                      WithJsonSchema({"type": "integer", "minimum": low, "maximum": high})]
 
-PositiveFloat = Annotated[float, Field(gt=0, allow_inf_nan=False)]
-NonNegativeFloat = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+
+def FloatRange(low: float, high: float, *, low_open: bool = False) -> Any:
+    """A finite float from `low` to `high` (above `low` with `low_open`), both ends in pydantic's message and in
+    the JSON Schema. Every float of a spec has one: `1e308` is a YAML float too, and a capacity, std or weight
+    that large overflows the arithmetic built on it (`ceil(inf)`, a noise draw of inf, a loss of inf)."""
+    lower = {"gt": low} if low_open else {"ge": low}
+    return Annotated[float, Field(**lower, le=high, allow_inf_nan=False)]
+
 
 
 class SpecModel(BaseModel):

@@ -16,6 +16,8 @@ truth for names, types and defaults. The `where:` and `router:` fields are union
 
 from __future__ import annotations
 
+import math
+import re
 from pathlib import Path
 from typing import Annotated, Any, Literal, Optional, Union
 
@@ -34,9 +36,9 @@ from pydantic import (
 from pydantic.fields import FieldInfo
 
 from .compat import DEFAULT_ROUTER_KIND, MOVED_TO_ROUTER, router_kind_of, upgrade_group
-from .fields import IntRange, NonNegativeFloat, OneOrList, PositiveFloat, SpecModel
-from .registry import ROUTER_KINDS, RouterSpec, on_register
-from .selectors import where_type
+from .fields import FloatRange, IntRange, OneOrList, SpecModel
+from .registry import ROUTER_KINDS, FieldError, RouterSpec, on_register
+from .selectors import MAX_BLOCKS, where_type
 
 DENSE_SUFFIXES = (".safetensors", ".pth", ".pt", ".bin", ".pth.tar")
 """The dense checkpoint files `backbone.checkpoint` may name."""
@@ -50,6 +52,15 @@ MAX_EXPERT_HIDDEN = 1_048_576
 """An expert's hidden width (2**20): 40 x the widest published ViT MLP, ViT-22B's 24,576 (Dehghani et al. 2023)."""
 MAX_WIDTH_FACTOR = 64.0
 """`expert_mlp_ratio` and rescale factors: 16 x ViT's MLP ratio of 4; Sparse-MLP rescales by 0.3 to 2."""
+MAX_NOISE_STD = 100.0
+"""Std of Gaussian noise (router logits, upcycled expert weights): 100 x the usual 1 / E of noisy top-k (Shazeer
+et al. 2017) at one expert; N(0, 100^2) buries any logit or weight, and its draws stay finite even in float16."""
+MAX_LOSS_WEIGHT = 100.0
+"""An aux loss's weight: 10,000 x the usual 0.01 (Shazeer et al. 2017; Switch, Fedus et al. 2022), which already
+buries the task loss; larger ones (summed over a group's losses) overflow a float16 loss."""
+MAX_LOSS_SCALE = 2.0**24
+"""`aux_loss_backward_scale`: gradient accumulation's 1/N is at most 1; 2**24 is 256 x a GradScaler's initial
+scale of 2**16, and keeps a float32 loss times it finite."""
 MAX_CHANNELS = 1_024
 """Input channels: 4 x hyperspectral images' 224 bands (AVIRIS)."""
 MAX_IMAGE_SIDE = 16_384
@@ -61,8 +72,10 @@ INT64 = (-(2**63), 2**63 - 1)
 overflow with a C++ frame dump. Sizes that fit but are too large to build are the memory guard's to refuse."""
 
 
-def _fits_int64(value: Any) -> Any:
-    """A `backbone.kwargs` value whose integers (also inside lists and mappings: `img_size: [h, w]`) fit int64."""
+def _fits_torch(value: Any) -> Any:
+    """A `backbone.kwargs` value whose integers (also inside lists and mappings: `img_size: [h, w]`) fit int64
+    and whose floats are finite: `drop_rate: .nan` reached timm, and the refusal that came back was blamed on
+    another field."""
     stack = [value]
     while stack:
         item = stack.pop()
@@ -73,6 +86,8 @@ def _fits_int64(value: Any) -> Any:
         elif isinstance(item, int) and not INT64[0] <= item <= INT64[1]:
             raise ValueError(f"{item} does not fit torch's 64-bit integers; timm's arguments are between -2**63 "
                              f"and 2**63 - 1")
+        elif isinstance(item, float) and not math.isfinite(item):
+            raise ValueError(f"{item} is not a finite number; timm's arguments (rates, scales, sizes) are finite")
     return value
 
 
@@ -81,7 +96,7 @@ class Backbone(SpecModel):
 
     model: Annotated[str, Field(min_length=1)]
     """Any timm model name, e.g. `vit_small_patch16_224`."""
-    kwargs: dict[str, Annotated[Any, AfterValidator(_fits_int64)]] = {}
+    kwargs: dict[str, Annotated[Any, AfterValidator(_fits_torch)]] = {}
     """Forwarded to `timm.create_model` (img_size, depth, embed_dim, num_classes, ...)."""
     checkpoint: Optional[str] = None
     """Local dense checkpoint (.safetensors/.pth/.bin) to upcycle from; relative paths are relative to the
@@ -100,6 +115,27 @@ class Backbone(SpecModel):
             )
         return kwargs
 
+    @field_validator("kwargs")
+    @classmethod
+    def _addressable_depth(cls, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """A block count in kwargs (`depth`, `depths`, `layers`, `num_blocks`, ...) of at most `MAX_BLOCKS`:
+        timm spends time on every block before it builds the first (ViT's drop-path rates: 12 s for `depth:
+        1000000`), so this is checked here, before any build; `backbones.placement.module_budget` bounds the
+        rest of a build."""
+        for key, value in kwargs.items():
+            counts = value if isinstance(value, (list, tuple)) else [value]
+            if not BLOCK_COUNT_KEY.search(key) or not all(type(n) is int for n in counts):
+                continue
+            if sum(counts) > MAX_BLOCKS:
+                raise FieldError(key, f"{sum(counts):,} blocks is more than the {MAX_BLOCKS:,} a spec can select "
+                                      f"(timm builds every block, even for a plan); check {key}")
+        return kwargs
+
+
+BLOCK_COUNT_KEY = re.compile(r"depth|layers|blocks")
+"""timm's names for a backbone's block counts, e.g. `depth` (ViT), `depths` (ConvNeXt, Swin), `layers` (ResNet),
+`num_blocks` (MLP-Mixer); ones that name no count (`return_interm_layers`, `depth_mult`) hold no integers."""
+
 
 def router_type() -> Any:
     """The type of a `router:` field over the router kinds registered now, chosen by `kind`."""
@@ -111,7 +147,7 @@ class AuxLoss(SpecModel):
     """A load-balancing loss of the layer's last forward, added by `moespec.aux_loss(model)`."""
 
     kind: Literal["importance_load", "switch", "z_loss"] = "importance_load"
-    weight: NonNegativeFloat = 0.01
+    weight: FloatRange(0.0, MAX_LOSS_WEIGHT) = 0.01
 
 
 class MoEGroup(SpecModel):
@@ -131,7 +167,7 @@ class MoEGroup(SpecModel):
     `rescale` (Sparse-MLP's "0 = plain MLP")."""
     expert_hidden: Optional[IntRange(1, MAX_EXPERT_HIDDEN)] = None
     """Hidden width of each expert; default: the dense FFN's hidden width."""
-    expert_mlp_ratio: Optional[Annotated[PositiveFloat, Field(le=MAX_WIDTH_FACTOR)]] = None
+    expert_mlp_ratio: Optional[FloatRange(0.0, MAX_WIDTH_FACTOR, low_open=True)] = None
     """Hidden width as a multiple of the FFN's input width (alternative to `expert_hidden`)."""
     shared_experts: IntRange(0, MAX_EXPERTS) = 0
     """Always-active experts whose output is added to the routed output (ViMoE)."""
@@ -193,7 +229,7 @@ class Upcycle(SpecModel):
 
     router_init: Literal["normal", "zeros"] = "normal"
     """`normal`: N(0, 0.02^2); `zeros`: all gates equal at the start."""
-    noise: NonNegativeFloat = 0.0
+    noise: FloatRange(0.0, MAX_NOISE_STD) = 0.0
     """Std of Gaussian noise added to each expert's copied weights, relative to each tensor's std."""
     split: Literal["slice", "partition"] = "slice"
     """For experts narrower than the dense FFN: `slice` gives every expert the leading hidden units,
@@ -205,9 +241,9 @@ class RescaleSpec(SpecModel):
     wrapped by a pro-token rescale [S, C] -> [S1, C1] before it and a pro-channel rescale back after it."""
 
     where: Any
-    tokens: Annotated[PositiveFloat, Field(le=MAX_WIDTH_FACTOR)] = 1.0
+    tokens: FloatRange(0.0, MAX_WIDTH_FACTOR, low_open=True) = 1.0
     """S1 / S."""
-    channels: Annotated[PositiveFloat, Field(le=MAX_WIDTH_FACTOR)] = 1.0
+    channels: FloatRange(0.0, MAX_WIDTH_FACTOR, low_open=True) = 1.0
     """C1 / C."""
 
 
@@ -236,7 +272,7 @@ class Spec(SpecModel):
     """Add every MoE layer's weighted aux loss to the gradients in backward (like Megatron's
     MoEAuxLossAutoScaler), for training loops that never call `moespec.aux_loss`; `moespec.aux_loss(model)`
     then returns the value detached, for logging, so adding it as well does not count it twice."""
-    aux_loss_backward_scale: PositiveFloat = 1.0
+    aux_loss_backward_scale: FloatRange(0.0, MAX_LOSS_SCALE, low_open=True) = 1.0
     """With aux_loss_in_backward: the factor the training loop multiplies its loss by before backward, so
     that the aux loss gets the same: 1/N for gradient accumulation over N micro-batches (timm's train.py
     --grad-accum-steps N). A GradScaler's changing scale is followed with `moespec.follow_grad_scaler`."""

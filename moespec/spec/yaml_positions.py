@@ -55,8 +55,11 @@ def load_yaml(text: str, file: str) -> tuple[Any, Positions]:
         loader = BoundedLoader(text)
     except yaml.reader.ReaderError as err:  # the reader checks every character up front
         raise SpecError(_character_problem(err, text, file)) from None
+    positions = Positions()
     try:
         node = loader.get_single_node()
+        if node is not None:  # before constructing: PyYAML flattens merge keys (`<<: *base`) into the mapping
+            _record(node, (), positions, loader, file)
         data = loader.construct_document(node) if node is not None else None
     except YamlLimitError as err:
         mark = err.problem_mark
@@ -72,9 +75,6 @@ def load_yaml(text: str, file: str) -> tuple[Any, Positions]:
         raise SpecError(Problem(f"invalid YAML: {' '.join(str(err).split())}", file=file)) from None
     finally:
         loader.dispose()
-    positions = Positions()
-    if node is not None:
-        _record(node, (), positions, loader, file)
     return data, positions
 
 
@@ -90,8 +90,10 @@ def _record(node: yaml.Node, path: tuple[str, ...], positions: Positions, loader
     if isinstance(node, yaml.MappingNode):
         positions.add_mapping(path)
         seen: dict[str, yaml.Mark] = {}
-        for key_node, value_node in node.value:
-            key = str(loader.construct_object(key_node)) if isinstance(key_node, yaml.ScalarNode) else key_node.value
+        for key_node, _ in node.value:
+            key = _key(key_node, loader)
+            if key is None:
+                continue
             if key in seen:
                 first = seen[key]
                 raise SpecError(
@@ -104,8 +106,40 @@ def _record(node: yaml.Node, path: tuple[str, ...], positions: Positions, loader
                     )
                 )
             seen[key] = key_node.start_mark
+        for key, (key_node, value_node) in _merged_pairs(node, loader).items():
             positions.add(path + (key,), key_node.start_mark)
             _record(value_node, path + (key,), positions, loader, file)
     elif isinstance(node, yaml.SequenceNode):
         for index, item in enumerate(node.value):
             _record(item, path + (str(index),), positions, loader, file)
+
+
+MERGE_TAG = "tag:yaml.org,2002:merge"
+"""The tag of a `<<` key: its value's keys are merged into the mapping, which overrides them (YAML 1.1)."""
+
+
+def _key(key_node: yaml.Node, loader: yaml.SafeLoader) -> str | None:
+    """A key as the spec's paths name it; None for a `<<` and for a list or mapping as a key (which the
+    constructor refuses: it is not hashable)."""
+    if key_node.tag == MERGE_TAG or not isinstance(key_node, yaml.ScalarNode):
+        return None
+    return str(loader.construct_object(key_node))
+
+
+def _merged_pairs(node: yaml.MappingNode, loader: yaml.SafeLoader) -> dict[str, tuple[yaml.Node, yaml.Node]]:
+    """Key -> (key node, value node) of the mapping as PyYAML constructs it (`SafeConstructor.flatten_mapping`),
+    without changing the node: the keys merged by `<<` first (of a list of mappings, the first mapping wins),
+    then the mapping's own keys, each overriding what came before. A malformed `<<` is left to the constructor."""
+    merged: dict[str, tuple[yaml.Node, yaml.Node]] = {}
+    own: dict[str, tuple[yaml.Node, yaml.Node]] = {}
+    for key_node, value_node in node.value:
+        if key_node.tag != MERGE_TAG:
+            key = _key(key_node, loader)
+            if key is not None:
+                own[key] = (key_node, value_node)
+            continue
+        sources = value_node.value if isinstance(value_node, yaml.SequenceNode) else [value_node]
+        for source in reversed(sources):
+            if isinstance(source, yaml.MappingNode):
+                merged.update(_merged_pairs(source, loader))
+    return {**merged, **own}

@@ -136,15 +136,16 @@ def load(path: str | Path, *, spec: Spec | str | Path | None = None, device: str
         spec = read_spec(path)
     elif not isinstance(spec, Spec):
         spec = load_spec(spec)
+    if not pickled:  # the file's shapes, checked on a build that allocates nothing, before the real build
+        _, files = checkpoint_files(path)
+        shapes = {name: shape for file in files for name, shape in safetensors_shapes(file).items()}
+        check_state_dict(shapes, create_model(spec, device="meta"), f"{path}")
     model = create_model(spec, device=device)
     if pickled:
         state = read_state_dict(path, trust_pickle=trust_pickle, ema=ema)
         check_state_dict(state, model, f"{path}")
         model.load_state_dict(state)
         return model
-    _, files = checkpoint_files(path)
-    shapes = {name: shape for file in files for name, shape in safetensors_shapes(file).items()}
-    check_state_dict(shapes, model, f"{path}")
     targets = model.state_dict()
     for file in files:
         read_safetensors_into(file, targets)

@@ -11,6 +11,7 @@ head keeps its fresh init, as `timm.create_model(..., pretrained=True, num_class
 from __future__ import annotations
 
 import importlib
+import zipfile
 from pathlib import Path
 from typing import Mapping
 
@@ -65,7 +66,29 @@ def read_state_dict(path: str | Path, *, trust_pickle: bool = False, ema: bool =
     return clean_state_dict(state)
 
 
+MAX_INFLATION = 16
+"""How much larger than its file a pickled checkpoint's zip records may say they are: torch.save stores them
+uncompressed (1 x), so more is a zip bomb (a 1.9 MB file that inflated to 2 GB in memory before it was refused)."""
+
+
+def _refuse_inflation(path: Path) -> None:
+    """Refuse a zip checkpoint whose records declare more than `MAX_INFLATION` x the file's size, unread."""
+    if not zipfile.is_zipfile(path):  # the legacy (pre-1.6) format is no zip; torch.load reads it as it is
+        return
+    try:
+        with zipfile.ZipFile(path) as archive:
+            declared = sum(record.file_size for record in archive.infolist())
+    except (zipfile.BadZipFile, OSError, ValueError):
+        return  # torch.load says what is wrong with it
+    size = max(path.stat().st_size, 1)
+    if declared > MAX_INFLATION * size:
+        raise CheckpointError(f"{path}: its zip records inflate to {declared:,} bytes, {declared // size:,} x the "
+                              f"file's {size:,}; torch.save stores tensors uncompressed, so this is not a checkpoint "
+                              f"it wrote. Refusing to inflate it")
+
+
 def _unpickle(path: Path, trust_pickle: bool) -> object:
+    _refuse_inflation(path)
     try:
         return torch.load(path, map_location="cpu", weights_only=not trust_pickle)
     except (RuntimeError, EOFError, OSError) as err:  # a torch zip archive cut short, or not one at all

@@ -142,3 +142,23 @@ def test_validate_of_a_backbone_seen_before_imports_neither_torch_nor_timm(cache
     assert runs[0].stdout.splitlines()[-1] == "['timm', 'torch']"  # cold: the backbone is built once
     assert runs[1].stdout.splitlines()[-1] == "[]"
     assert runs[0].stdout.splitlines()[0] == runs[1].stdout.splitlines()[0]  # the same "ok: ..." line
+
+
+@pytest.mark.parametrize("planted", ["fifo", "folder"])
+def test_an_entry_that_is_not_a_regular_file_is_skipped(cache, tmp_path, planted):
+    """A fifo at the entry's path made `validate` wait for a writer until it was killed."""
+    import os
+
+    path = write(tmp_path, "backbone: {model: vit_small_patch16_224, kwargs: {depth: 2, img_size: 64}}\n"
+                           "moe: [{where: {every: 1}, experts: 4}]\n")
+    file = entry_file(load_spec(path))
+    file.parent.mkdir(parents=True)
+    os.mkfifo(file) if planted == "fifo" else file.mkdir()
+    env = {**os.environ, "MOESPEC_CACHE_DIR": str(cache)}
+    try:
+        done = subprocess.run([sys.executable, "-m", "moespec.cli", "validate", str(path)], capture_output=True,
+                              text=True, timeout=60, env=env)
+    except subprocess.TimeoutExpired:
+        pytest.fail("validate waited on the planted entry")
+    assert (done.returncode, done.stderr) == (0, ""), done.stderr
+    assert done.stdout == f"ok: {path} (vit_small_patch16_224, 2 MoE layers)\n"

@@ -532,3 +532,42 @@ def test_spec_is_frozen():
         spec.name = "other"  # type: ignore[misc]
     assert spec.name == "vit-s16-moe8-every2-top2"
     assert isinstance(spec, Spec)
+
+
+MERGED = """\
+backbone: {model: vit_small_patch16_224}
+moe:
+  - &first
+    where: {first: 1}
+    experts: 4
+    router: {top_k: 2}
+  - <<: *first
+    where: {last: 1}
+    experts: EXPERTS
+"""
+
+
+def test_a_merge_key_may_be_overridden(tmp_path):
+    """YAML's merge key (`<<: *first`) followed by an override of a merged key is legal YAML; it was refused as
+    "duplicate key 'where' ... give each key once"."""
+    spec = load_spec(write(tmp_path, MERGED.replace("EXPERTS", "8")))
+    assert spec.moe[1].where == [moespec.spec.selectors.Last(last=1)]
+    assert (spec.moe[1].experts, spec.moe[1].router.top_k) == (8, 2)
+
+
+def test_errors_in_a_merged_mapping_point_at_the_key_that_holds_the_value(tmp_path):
+    """An overriding key's error is at the override; a merged key's at the mapping it came from."""
+    text = MERGED.replace("EXPERTS", "100000").replace("top_k: 2", "top_k: 0")
+    with pytest.raises(SpecError) as error:
+        load_spec(write(tmp_path, text))
+    found = {(p.path, p.line) for p in error.value.problems}
+    assert found == {("moe.0.router.top_k", line_of(text, "top_k")), ("moe.1.router.top_k", line_of(text, "top_k")),
+                     ("moe.1.experts", line_of(text, "experts: 100000"))}
+
+
+def test_a_key_given_twice_beside_a_merge_key_is_still_a_duplicate(tmp_path):
+    text = MERGED.replace("EXPERTS", "8") + "    where: {every: 1}\n"
+    problem = only_problem(write(tmp_path, text))
+    assert (problem.line, problem.path) == (line_of(text, "where: {every: 1}"), "moe.1.where")
+    first = line_of(text, "last: 1")
+    assert problem.message == f"duplicate key 'where' (first given at line {first}); give each key once"

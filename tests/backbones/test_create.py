@@ -1,0 +1,90 @@
+"""Building a spec's timm backbone (`moespec/backbones/create.py`): builds that cannot finish are refused before
+they start or stopped early, and timm's pretrained weights that cannot be downloaded are one clean error."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+from moespec import SpecError, load_spec
+from moespec.backbones import create_backbone, placement
+
+from ..conftest import TINY_SPEC_YAML, TINY_VIT, measured_run, write
+
+NO_PRETRAINED = "backbone: {model: vit_small_patch16_224, pretrained: true}\nmoe: [{where: {last: 1}, experts: 2}]\n"
+
+
+@pytest.mark.parametrize("kwargs", ["", ", kwargs: {num_classes: 10}"], ids=["no-kwargs", "kwargs"])
+def test_pretrained_weights_that_cannot_be_downloaded_are_one_clean_error(tmp_path, kwargs):
+    """With no network, `upcycle` exited 1 ("internal error ... a bug in moespec") for a spec without kwargs, and
+    blamed the kwargs (exit 2) for one with them."""
+    path = write(tmp_path, NO_PRETRAINED.replace("pretrained: true", "pretrained: true" + kwargs))
+    empty = tmp_path / "empty-caches"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(empty), "TORCH_HOME": str(empty),
+           "MOESPEC_CACHE_DIR": str(tmp_path / "cache")}
+    out = tmp_path / "moe.safetensors"
+    code, stdout, stderr, _, _ = measured_run([sys.executable, "-m", "moespec.cli", "upcycle", str(path), "-o",
+                                               str(out)], timeout=120, env=env)
+    assert (code, stdout, stderr.count("\n")) == (2, "", 1), stderr
+    assert stderr.startswith(f"moespec: error: {path}:1:42: backbone.pretrained: could not download timm's "
+                             f"pretrained weights for 'vit_small_patch16_224' ("), stderr
+    assert "name it in backbone.checkpoint" in stderr and len(stderr) - len(str(path)) < 400
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("kwargs, key", [
+    ({"depth": 1_000_000}, "depth"),
+    ({"depths": [3, 3, 5000, 3]}, "depths"),
+    ({"layers": [3, 4, 6000, 3]}, "layers"),
+    ({"num_blocks": 4097}, "num_blocks"),
+])
+def test_a_block_count_past_what_a_spec_can_select_is_refused_before_any_build(kwargs, key):
+    """`validate` of `depth: 1000000` built timm blocks for minutes (1.5 GB after 45 s, growing): timm computes a
+    drop-path rate per block before it builds the first."""
+    with pytest.raises(SpecError) as error:
+        load_spec({"backbone": {"model": "vit_small_patch16_224", "kwargs": kwargs}})
+    (problem,) = error.value.problems
+    assert problem.path == f"backbone.kwargs.{key}"
+    assert problem.message.startswith(f"{sum(kwargs[key]) if isinstance(kwargs[key], list) else kwargs[key]:,} "
+                                      f"blocks is more than the 4,096 a spec can select")
+
+
+def test_counts_and_flags_that_are_not_block_counts_pass():
+    kwargs = {"depth": 4096, "depth_mult": 2.5, "return_interm_layers": True, "norm_layers": ["ln", "ln"]}
+    assert load_spec({"backbone": {"model": "vit_small_patch16_224", "kwargs": kwargs}}).backbone.kwargs == kwargs
+
+
+def test_validate_of_a_million_blocks_is_refused_in_seconds(tmp_path):
+    path = write(tmp_path, TINY_SPEC_YAML.replace("depth: 2", "depth: 1000000"))
+    env = {**os.environ, "MOESPEC_CACHE_DIR": str(tmp_path / "cache")}
+    code, stdout, stderr, seconds, peak_kb = measured_run([sys.executable, "-m", "moespec.cli", "validate",
+                                                           str(path)], timeout=60, env=env)
+    assert (code, stdout) == (2, ""), stderr
+    assert stderr.startswith(f"moespec: error: {path}:2:51: backbone.kwargs.depth: 1,000,000 blocks is more than")
+    assert seconds < 30 and peak_kb < 1_000_000, (seconds, peak_kb)  # measured: ~2 s and ~40 MB, no torch import
+
+
+def test_a_build_past_the_module_budget_is_stopped_where_it_is(monkeypatch):
+    """Any other way to a backbone of too many modules is stopped as it passes the budget, even on the meta
+    device, and the budget's hook is gone afterwards."""
+    monkeypatch.setattr(placement, "MAX_BACKBONE_MODULES", 100)
+    spec = load_spec({"backbone": {**TINY_VIT, "kwargs": {**TINY_VIT["kwargs"], "depth": 40}}})
+    with pytest.raises(SpecError) as error:
+        create_backbone(spec, device="meta")
+    (problem,) = error.value.problems
+    assert problem.path == "backbone.kwargs" and "has more than 100 modules" in problem.message
+    monkeypatch.undo()
+    assert len(create_backbone(spec, device="meta").blocks) == 40
+
+
+@pytest.mark.slow  # about 3 s of module building uncontended (10,000 modules), more on a busy machine
+def test_a_deep_backbone_within_the_block_count_is_stopped_by_the_module_budget(tmp_path):
+    path = write(tmp_path, TINY_SPEC_YAML.replace("depth: 2", "depth: 4000"))
+    env = {**os.environ, "MOESPEC_CACHE_DIR": str(tmp_path / "cache")}
+    code, stdout, stderr, seconds, peak_kb = measured_run([sys.executable, "-m", "moespec.cli", "validate",
+                                                           str(path)], timeout=120, env=env)
+    assert (code, stdout) == (2, ""), stderr
+    assert "backbone.kwargs: vit_small_patch16_224 with these kwargs has more than 10,000 modules" in stderr
+    assert peak_kb < 2_000_000, peak_kb
