@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Iterator
 
 from ..errors import MoespecError
-from .lock import output_lock
+from .lock import lock_file, output_lock
 
 
 def check_output(path: str | Path, force: bool, *, folder: bool = False) -> Path:
@@ -148,10 +148,13 @@ def _dead_writers_folders(path: Path) -> list[Path]:
 
 
 def _restore_folder(path: Path, *, locked: bool = False) -> None:
-    """Undo what a writer killed inside `_replace_folder` left: with no folder at `path`, put back the one it
-    moved aside; with one, remove the moved-aside one. Only folders with its name and a dead writer's pid.
-    Under the output's lock (`locked`: the caller holds it)."""
-    if not path.parent.is_dir() or not _dead_writers_folders(path):
+    """Undo what a writer killed while it wrote the folder `path` left: with no folder at `path`, put back the
+    one it moved aside (`_replace_folder`), else remove that one; remove its temp folder, and its lock file.
+    Only what has the names a writer of `path` gives and a dead writer's pid. Under the output's lock
+    (`locked`: the caller holds it)."""
+    if not path.parent.is_dir():
+        return
+    if not (_dead_writers_folders(path) or _stale_temp_files(path) or lock_file(path).exists()):
         return
     with contextlib.nullcontext() if locked else output_lock(path):
         for old in sorted(_dead_writers_folders(path), key=lambda p: p.stat().st_mtime, reverse=True):
@@ -160,6 +163,7 @@ def _restore_folder(path: Path, *, locked: bool = False) -> None:
             else:
                 with contextlib.suppress(OSError):  # another user's, in a sticky folder: theirs to remove
                     shutil.rmtree(old)
+        remove_stale_temp_files(path)
 
 
 def default_mode(directory: bool = False) -> int:
@@ -176,10 +180,7 @@ def remove_stale_temp_files(path: Path) -> list[Path]:
     """Remove the temp files (and folders) `.{name}.{pid}.xxxxxxxx.tmp` next to `path` whose writing process no
     longer runs. One that this user may not remove (another user's, in a sticky folder) is left alone."""
     removed = []
-    for tmp in path.parent.glob(f".{glob.escape(path.name)}.*.tmp"):
-        match = _TEMP_SUFFIX.fullmatch(tmp.name[len(path.name) + 1:])
-        if match is None or _alive(int(match[1])):
-            continue
+    for tmp in _stale_temp_files(path):
         try:
             if tmp.is_dir() and not tmp.is_symlink():
                 shutil.rmtree(tmp)
@@ -189,6 +190,16 @@ def remove_stale_temp_files(path: Path) -> list[Path]:
             continue
         removed.append(tmp)
     return removed
+
+
+def _stale_temp_files(path: Path) -> list[Path]:
+    """The temp files and folders (`temp_output`) next to `path` of writers that no longer run."""
+    stale = []
+    for tmp in path.parent.glob(f".{glob.escape(path.name)}.*.tmp"):
+        match = _TEMP_SUFFIX.fullmatch(tmp.name[len(path.name) + 1:])
+        if match is not None and not _alive(int(match[1])):
+            stale.append(tmp)
+    return stale
 
 
 def _alive(pid: int) -> bool:

@@ -155,14 +155,14 @@ def existing_layout(path: Path) -> list[Path]:
 
 
 def _index_content(index: Path) -> tuple[object, list[str]] | None:
-    """The write id and the plain shard names of an index; None for one that is not a readable index. One
-    larger than an index can be is refused unread."""
+    """The write id and the plain shard names of an index; None for one that is not a readable index (or names
+    no shard). One larger than an index can be is refused unread."""
     try:
         content = read_json(index, "a safetensors index")
         write_id, names = content["metadata"].get(WRITE_ID_KEY), list(content["weight_map"].values())
     except (OSError, ValueError, RecursionError, KeyError, TypeError, AttributeError):
         return None
-    return write_id, sorted({name for name in names if isinstance(name, str) and plain_name(name)})
+    return (write_id, sorted({name for name in names if isinstance(name, str) and plain_name(name)})) if names else None
 
 
 def _index_write_id(path: Path) -> tuple[str | None, set[str]] | None:
