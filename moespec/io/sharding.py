@@ -17,7 +17,7 @@ import math
 import os
 import re
 import stat
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Mapping, Sequence
 
@@ -217,50 +217,77 @@ def _check_shard(index: Path, weight_map: dict[str, str], names: list[str], shar
 @dataclass
 class Checkpoint:
     """A checkpoint opened for reading (`open_checkpoint`): its metadata, and tensors that come from the same
-    write. A one-file checkpoint holds its file open; a sharded one checks each shard's write id as it reads."""
+    write. Its files are held open (`opened`) from the moment its metadata was read, so that nothing a writer
+    does meanwhile changes what is read; past `MAX_HELD_FILES` shards, each shard's write id is checked as it
+    is read instead."""
 
     path: Path
     metadata: dict[str, str]
     files: list[Path]
-    opened: SafetensorsFile | None = None  # the one file, open since its metadata was read
-    _shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    opened: list[SafetensorsFile] | None  # one per file, or None: read by name, write ids checked
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
         """Tensor name -> shape, from the headers."""
-        if not self._shapes:
-            headers = [self.opened.header] if self.opened is not None else None
-            self._shapes = ({name: tuple(entry["shape"]) for name, entry in headers[0].items()
-                             if name != "__metadata__"} if headers else
-                            {name: shape for file in self.files for name, shape in safetensors_shapes(file).items()})
-        return self._shapes
+        if self.opened is None:
+            return {name: shape for file in self.files for name, shape in safetensors_shapes(file).items()}
+        return {name: tuple(entry["shape"]) for file in self.opened for name, entry in file.header.items()
+                if name != "__metadata__"}
 
     def read_into(self, targets: Mapping[str, torch.Tensor]) -> None:
-        """Read every tensor into `targets[name]` (`read_safetensors_into`). A shard that is no longer the
-        index's write (a writer replaced it since the index was read) is a `CheckpointChanged`."""
+        """Read every tensor into `targets[name]` (`read_safetensors_into`). A shard read by name that is no
+        longer the index's write (a writer replaced it since the index was read) is a `CheckpointChanged`."""
         if self.opened is not None:
-            read_safetensors_into(self.opened, targets)
+            for file in self.opened:
+                read_safetensors_into(file, targets)
             return
-        write_id = self.metadata.get(WRITE_ID_KEY)
         for file in self.files:
-            try:
-                opened = open_safetensors(file)
-            except CheckpointError as err:
-                raise CheckpointChanged(f"{self.path}: {file.name} changed while it was read ({err})") from None
-            with opened as shard:
-                if shard.metadata.get(WRITE_ID_KEY) != write_id:
-                    raise CheckpointChanged(f"{self.path}: {file.name} was replaced by another write while it "
-                                            f"was read")
+            with _open_shard(self.path, file, self.metadata.get(WRITE_ID_KEY)) as shard:
                 read_safetensors_into(shard, targets)
+
+
+MAX_HELD_FILES = 256  # shards held open at once by a reader, well under the usual limit of 1024 open files
+
+
+def _open_shard(path: Path, file: Path, write_id: str | None) -> SafetensorsFile:
+    """`file` of the sharded checkpoint `path`, open, if it is still of the write `write_id`, else a
+    `CheckpointChanged`."""
+    try:
+        shard = open_safetensors(file)
+    except CheckpointError as err:
+        raise CheckpointChanged(f"{path}: {file.name} changed while it was read ({err})") from None
+    if shard.metadata.get(WRITE_ID_KEY) != write_id:
+        shard.handle.close()
+        raise CheckpointChanged(f"{path}: {file.name} was replaced by another write while it was read")
+    return shard
 
 
 @contextlib.contextmanager
 def open_checkpoint(path: str | Path) -> Iterator[Checkpoint]:
     """`checkpoint_files`, opened so that everything read comes from one write: the metadata (the spec) and the
-    tensors. A reader that may race a writer retries on `CheckpointChanged`."""
+    tensors. A writer that replaced the files while they were opened is a `CheckpointChanged`: read again."""
     base = checkpoint_path(path)
-    if base.name.endswith(".index.json") or (not base.exists() and index_file(base).is_file()):
-        metadata, files = checkpoint_files(base)
-        yield Checkpoint(Path(path), metadata, files)
+    if not (base.name.endswith(".index.json") or (not base.exists() and index_file(base).is_file())):
+        with open_safetensors(_regular_file(base)) as file:
+            yield Checkpoint(Path(path), file.metadata, [base], [file])
         return
-    with open_safetensors(_regular_file(base)) as file:
-        yield Checkpoint(Path(path), file.metadata, [base], opened=file)
+    index = base if base.name.endswith(".index.json") else index_file(base)
+    before = _identity(index)
+    with contextlib.ExitStack() as stack:
+        try:
+            metadata, files = _read_index(index)
+            opened = None if len(files) > MAX_HELD_FILES else [
+                stack.enter_context(_open_shard(Path(path), file, metadata.get(WRITE_ID_KEY))) for file in files]
+        except CheckpointError as err:
+            if isinstance(err, CheckpointChanged) or _identity(index) == before:
+                raise
+            raise CheckpointChanged(f"{index}: replaced by another write while it was read") from None
+        yield Checkpoint(Path(path), metadata, files, opened)
+
+
+def _identity(file: Path) -> tuple[int, int] | None:
+    """Which file `file` is now (a writer replaces files, never rewrites them); None if there is none."""
+    try:
+        info = os.stat(file)
+    except OSError:
+        return None
+    return info.st_dev, info.st_ino

@@ -150,7 +150,9 @@ def load(path: str | Path, *, spec: Spec | str | Path | None = None, device: str
 
 def _load_safetensors(path: str | Path, spec: Spec | None, device: str | torch.device) -> nn.Module:
     """`load` of a safetensors checkpoint: the spec (embedded, unless given) and the weights from one write.
-    Read again if a writer replaced its files meanwhile (`io.open_checkpoint`), up to `READ_ATTEMPTS` times."""
+    Its files are held open from the moment the spec is read (past a few hundred shards, they are read by
+    name after the model is built); read again if a writer replaced them meanwhile (`io.open_checkpoint`),
+    up to `READ_ATTEMPTS` times."""
     model, spec_hash, attempts = None, None, 0
     while True:
         attempts += 1
@@ -159,6 +161,8 @@ def _load_safetensors(path: str | Path, spec: Spec | None, device: str | torch.d
                 if model is None:
                     model = create_model(spec or _embedded_spec(path, checkpoint.metadata), device=device)
                     spec_hash = checkpoint.metadata.get(SPEC_HASH_KEY)
+                    if checkpoint.opened is None:  # shards read by name: read them right after their index
+                        continue
                 elif spec is None and checkpoint.metadata.get(SPEC_HASH_KEY) != spec_hash:
                     raise CheckpointError(f"{path}: rewritten with another spec while it was loaded; load it again")
                 check_state_dict(checkpoint.shapes(), model, f"{path}")

@@ -170,3 +170,25 @@ def test_a_reader_during_a_writer_sees_one_write(tmp_path, shard_size):
     assert writer.returncode == 0
     assert loaded >= 5, f"only {loaded} loads succeeded ({failed} failed cleanly)"
     assert not mixed, f"{len(mixed)} of {loaded} loads mixed two writes: {mixed[:3]}"
+
+
+@pytest.mark.slow
+def test_two_compile_force_runs_at_once_leave_one_whole_checkpoint(tmp_path):
+    """`moespec compile --force` twice at once on one sharded output (issue 37: in 1 of 3 rounds both exited 2
+    and nothing readable was left). Each run exits 0, or 2 naming the other writer; the output loads whole and
+    holds nothing but its own files."""
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(SPEC_YAML[2])
+    out = tmp_path / "out" / "m.safetensors"
+    for seed in (1, 3):
+        procs = [subprocess.Popen([sys.executable, "-m", "moespec.cli", "compile", str(spec), "-o", str(out),
+                                   "--force", "--max-shard-size", "100KB", "--seed", str(seed + i)],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+        for proc in procs:
+            _, err = proc.communicate(timeout=300)
+            assert proc.returncode == 0 or (proc.returncode == 2 and "another moespec process" in err), err
+        assert any(proc.returncode == 0 for proc in procs)
+        model = moespec.load(out)
+        assert model.moespec_spec.moe[0].router.top_k == 2
+        _, files = checkpoint_files(out)
+        assert sorted(out.parent.iterdir()) == sorted([out.with_name("m.safetensors.index.json"), *files])
