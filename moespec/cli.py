@@ -161,12 +161,12 @@ def compile_command(
 
     def body() -> None:
         from .compiler import create_model, moe_layers
-        from .io import check_output, checkpoint_files, index_file, parse_size
+        from .io import check_checkpoint_output, checkpoint_files, index_file, parse_size
         from .weights import check_seed, save
 
         limit = parse_size(max_shard_size, "--max-shard-size")
         check_seed(seed, "--seed")
-        check_output(output, force)
+        check_checkpoint_output(output, force)
         model = create_model(load_spec(spec), seed=seed)
         save(model, output, force=force, max_shard_size=limit)
         _, files = checkpoint_files(output)
@@ -212,12 +212,12 @@ def upcycle_command(
     """Build the MoE model with experts copied from a dense checkpoint and save it, one layer at a time."""
 
     def body() -> None:
-        from .io import DTYPE_NAMES, check_output, parse_size
+        from .io import DTYPE_NAMES, check_checkpoint_output, parse_size
         from .weights import check_seed, upcycle_to_checkpoint
 
         limit = parse_size(max_shard_size, "--max-shard-size")
         check_seed(seed, "--seed")
-        check_output(output, force)
+        check_checkpoint_output(output, force)
         loaded = load_spec(spec)
         with progress("upcycling MoE layers") as advance:
             files, report = upcycle_to_checkpoint(loaded, output, checkpoint=checkpoint, seed=seed,

@@ -57,8 +57,9 @@ def test_a_killed_write_leaves_no_output_and_the_next_write_removes_its_temp_fil
     assert proc.stdout.readline().strip() == "writing"
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
-    leftovers = sorted(p.name for p in tmp_path.iterdir())  # its temp file and its journal, both hidden
-    assert not target.exists() and len(leftovers) == 2 and all(n.startswith(".model.safetensors.") for n in leftovers)
+    leftovers = sorted(p.name for p in tmp_path.iterdir())  # its temp file, journal and lock file, all hidden
+    assert not target.exists() and len(leftovers) == 3 and all(n.startswith(".model.safetensors.") for n in leftovers)
+    assert ".model.safetensors.lock" in leftovers
     with pytest.raises(MoespecError, match="interrupted.*pass --force"):
         write_sharded(target, [TensorInfo("t", (1,), torch.float32)], lambda info: torch.ones(1), {})
     write_sharded(target, [TensorInfo("t", (1,), torch.float32)], lambda info: torch.ones(1), {}, force=True)

@@ -2,26 +2,38 @@
 
 One check says "exists; pass --force" for every output (`check_output`), and one helper writes every output
 (`atomic_output`), file or folder; its two halves (`temp_output`, `commit`) serve writes of several files.
-Temp files left by a writer that was killed are removed by the next write to the same path.
+Temp files left by a writer that was killed are removed by the next write to the same path, and a folder it
+was replacing is put back by the next check of that path. One writer at a time holds the output (`lock`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import glob
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
 from typing import Iterator
 
 from ..errors import MoespecError
+from .lock import lock_file, output_lock
 
 
 def check_output(path: str | Path, force: bool, *, folder: bool = False) -> Path:
     """Fail before any work if `path` cannot be written: it exists and `force` is not given (a report folder
     may exist empty), it is a folder where a file should go (or the reverse), or its parent folder neither
-    exists nor can be created (it is created, like `mkdir -p`)."""
-    path = Path(path)
+    exists nor can be created (it is created, like `mkdir -p`). A name that cannot be shown on one line (a
+    control character, bytes that are not UTF-8) is refused first. A report folder that a killed write was
+    replacing is put back first (`_restore_folder`)."""
+    path = check_name(path)
+    if folder:
+        _restore_folder(path)
+    return _check_output(path, force, folder)
+
+
+def _check_output(path: Path, force: bool, folder: bool) -> Path:
     if folder and path.exists() and not path.is_dir():
         raise MoespecError(f"{path} is a file; the report is a folder")
     if not folder and path.is_dir():
@@ -41,20 +53,37 @@ def check_output(path: str | Path, force: bool, *, folder: bool = False) -> Path
     return path
 
 
+def check_name(path: str | Path) -> Path:
+    """`path`, unless it holds a control character (a newline) or bytes that are not UTF-8: such a name would
+    break the one-line messages that name it, and the file lists of other tools."""
+    text = str(path)
+    odd = next((c for c in text if ord(c) < 32 or ord(c) == 127 or 0xD800 <= ord(c) <= 0xDFFF), None)
+    if odd is not None:
+        what = "bytes that are not UTF-8" if ord(odd) >= 0xD800 else f"a control character ({odd!r})"
+        raise MoespecError(f"{ascii(text)}: the output's name holds {what}; choose a plain name")
+    return Path(path)
+
+
 @contextlib.contextmanager
 def atomic_output(path: str | Path, *, force: bool = False, folder: bool = False) -> Iterator[Path]:
     """Yield a temp path (a file, or an empty folder with `folder`) next to `path`; on success make it whole
     on disk and rename it to `path`, replacing what was there only with `force` (`check_output`).
 
-    On any error the temp output is removed; the previous `path`, if any, is untouched.
+    On any error the temp output is removed; the previous `path`, if any, is untouched. The output's lock is
+    held throughout (`lock.output_lock`), and `path` is checked again under it: of two writers at once, the
+    second waits for the first, then replaces its output only with `force`.
     """
     path = check_output(path, force, folder=folder)
-    with temp_output(path, folder=folder) as tmp:
-        yield tmp
+    with output_lock(path):
         if folder:
-            _replace_folder(tmp, path)
-        else:
-            commit(tmp, path)
+            _restore_folder(path, locked=True)
+        _check_output(path, force, folder)
+        with temp_output(path, folder=folder) as tmp:
+            yield tmp
+            if folder:
+                _replace_folder(tmp, path)
+            else:
+                commit(tmp, path)
 
 
 @contextlib.contextmanager
@@ -91,14 +120,50 @@ def commit(tmp: Path, path: Path) -> None:
 
 
 def _replace_folder(new: Path, path: Path) -> None:
-    """Rename the complete folder `new` to `path`; an old `path` is moved aside first and removed after."""
+    """Rename the complete folder `new` to `path`; an old `path` is moved aside first, to `.{name}.old-{pid}`,
+    and removed after. Killed between the two renames, the old folder is put back by the next check of
+    `path` (`_restore_folder`); killed after them, the next write removes it."""
     old = None
     if path.exists():
-        old = path.with_name(f".{path.name}.old-{os.getpid()}")
+        old = _old_folder(path, os.getpid())
         os.replace(path, old)
     os.replace(new, path)
     if old is not None:
         shutil.rmtree(old)
+
+
+def _old_folder(path: Path, pid: int) -> Path:
+    return path.with_name(f".{path.name}.old-{pid}")
+
+
+def _dead_writers_folders(path: Path) -> list[Path]:
+    """The folders `.{name}.old-{pid}` next to `path` that a writer now dead moved aside (`_replace_folder`)."""
+    found = []
+    for old in path.parent.glob(f".{glob.escape(path.name)}.old-*"):
+        pid = old.name[len(path.name) + 6:]
+        if pid.isdigit() and old == _old_folder(path, int(pid)) and old.is_dir() and not old.is_symlink() \
+                and not _alive(int(pid)):
+            found.append(old)
+    return found
+
+
+def _restore_folder(path: Path, *, locked: bool = False) -> None:
+    """Undo what a writer killed while it wrote the folder `path` left: with no folder at `path`, put back the
+    one it moved aside (`_replace_folder`), else remove that one; remove its temp folder, and its lock file.
+    Only what has the names a writer of `path` gives and a dead writer's pid. Under the output's lock
+    (`locked`: the caller holds it)."""
+    if not path.parent.is_dir():
+        return
+    if not (_dead_writers_folders(path) or _stale_temp_files(path) or lock_file(path).exists()):
+        return
+    with contextlib.nullcontext() if locked else output_lock(path):
+        for old in sorted(_dead_writers_folders(path), key=lambda p: p.stat().st_mtime, reverse=True):
+            if not os.path.lexists(path):
+                os.replace(old, path)
+            else:
+                with contextlib.suppress(OSError):  # another user's, in a sticky folder: theirs to remove
+                    shutil.rmtree(old)
+        remove_stale_temp_files(path)
 
 
 def default_mode(directory: bool = False) -> int:
@@ -108,15 +173,33 @@ def default_mode(directory: bool = False) -> int:
     return (0o777 if directory else 0o666) & ~umask
 
 
+_TEMP_SUFFIX = re.compile(r"\.(\d+)\.[a-z0-9_]{8}\.tmp")  # what `temp_output` adds to `.{name}`: pid, mkstemp's 8
+
+
 def remove_stale_temp_files(path: Path) -> list[Path]:
-    """Remove `.{name}.{pid}.*.tmp` files next to `path` whose writing process no longer runs."""
+    """Remove the temp files (and folders) `.{name}.{pid}.xxxxxxxx.tmp` next to `path` whose writing process no
+    longer runs. One that this user may not remove (another user's, in a sticky folder) is left alone."""
     removed = []
-    for tmp in path.parent.glob(f".{path.name}.*.tmp"):
-        pid = tmp.name[len(path.name) + 2:].split(".", 1)[0]
-        if pid.isdigit() and not _alive(int(pid)):
-            tmp.unlink(missing_ok=True)
-            removed.append(tmp)
+    for tmp in _stale_temp_files(path):
+        try:
+            if tmp.is_dir() and not tmp.is_symlink():
+                shutil.rmtree(tmp)
+            else:
+                tmp.unlink(missing_ok=True)
+        except PermissionError:
+            continue
+        removed.append(tmp)
     return removed
+
+
+def _stale_temp_files(path: Path) -> list[Path]:
+    """The temp files and folders (`temp_output`) next to `path` of writers that no longer run."""
+    stale = []
+    for tmp in path.parent.glob(f".{glob.escape(path.name)}.*.tmp"):
+        match = _TEMP_SUFFIX.fullmatch(tmp.name[len(path.name) + 1:])
+        if match is not None and not _alive(int(match[1])):
+            stale.append(tmp)
+    return stale
 
 
 def _alive(pid: int) -> bool:

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import stat
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Mapping, Sequence
+from typing import BinaryIO, Callable, Mapping, Sequence
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -39,24 +41,73 @@ DTYPE_NAMES = {name: getattr(torch, dtype) for name, dtype in PRECISIONS.items()
 as torch dtypes."""
 
 
-def read_safetensors_header(path: str | Path) -> tuple[dict, int]:
-    """The JSON header of a safetensors file (name -> dtype, shape, data_offsets; "__metadata__", always a
-    mapping of strings) and the byte offset where the data starts.
+class CheckpointChanged(CheckpointError):
+    """A checkpoint's file was replaced while it was read: another process is writing it. Reading it again
+    reads one write whole."""
+
+
+@dataclass
+class SafetensorsFile:
+    """A safetensors file held open, with the header validated for that very file (`open_safetensors`): what
+    is read through `handle` comes from the write its header describes, whatever replaces `path` meanwhile."""
+
+    path: Path
+    handle: BinaryIO
+    header: dict
+    start: int  # the byte offset where the data starts
+
+    @property
+    def metadata(self) -> dict[str, str]:
+        return self.header["__metadata__"]
+
+    def __enter__(self) -> SafetensorsFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.handle.close()
+
+
+def open_safetensors(path: str | Path) -> SafetensorsFile:
+    """Open a safetensors file and read its JSON header (name -> dtype, shape, data_offsets; "__metadata__",
+    always a mapping of strings), held open for reading its tensors; close it (`with`) when done.
 
     The safetensors library validates the file first (`safe_open`: the header's length cap, its JSON, dtypes,
     shapes, and offsets that are in order, contiguous, non-overlapping and cover the data exactly); only then
-    is the header read here, and it must say what the library saw, with offsets that tile the data exactly.
-    A tensor whose dtype moespec cannot cast (`READ_DTYPES`) is refused here, naming it."""
+    is the header read here, from the open file, and it must say what the library saw, with offsets that tile
+    the data exactly. The library opens the file by its name: if the name no longer leads to the open file
+    after it (a writer replaced it), that is a `CheckpointChanged`. A tensor whose dtype moespec cannot cast
+    (`READ_DTYPES`) is refused here, naming it. Anything but a regular file is refused unopened by the library
+    (a fifo would block it)."""
     path = Path(path)
     try:
-        with safe_open(str(path), framework="pt") as f:
-            metadata = f.metadata() or {}
-            seen = {name: (f.get_slice(name).get_dtype(), f.get_slice(name).get_shape()) for name in f.keys()}
-        with open(path, "rb") as f:
-            size = struct.unpack("<Q", f.read(8))[0]
-            if size > MAX_HEADER_BYTES:  # the library refuses it too; never read it
-                raise ValueError(f"a header of {size} bytes, over the {MAX_HEADER_BYTES} the format allows")
-            header = json.loads(f.read(size), object_pairs_hook=_unique_keys)
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))  # a fifo opens without waiting
+    except OSError as err:
+        raise CheckpointError(f"{path}: not a readable safetensors file ({err.strerror or err})") from None
+    handle = os.fdopen(fd, "rb")
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise CheckpointError(f"{path}: not a readable safetensors file (not a regular file)")
+        header, start = _read_header(path, handle)
+    except BaseException:
+        handle.close()
+        raise
+    return SafetensorsFile(path, handle, header, start)
+
+
+def _read_header(path: Path, handle: BinaryIO) -> tuple[dict, int]:
+    try:
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                metadata = f.metadata() or {}
+                seen = {name: (f.get_slice(name).get_dtype(), f.get_slice(name).get_shape()) for name in f.keys()}
+        finally:  # what the library read must be the open file
+            if not _still_at(path, handle):
+                raise CheckpointChanged(f"{path}: replaced while it was read (another process is writing it)")
+        handle.seek(0)
+        size = struct.unpack("<Q", handle.read(8))[0]
+        if size > MAX_HEADER_BYTES:  # the library refuses it too; never read it
+            raise ValueError(f"a header of {size} bytes, over the {MAX_HEADER_BYTES} the format allows")
+        header = json.loads(handle.read(size), object_pairs_hook=_unique_keys)
     except (SafetensorError, OSError, struct.error, ValueError, RecursionError) as err:
         raise CheckpointError(f"{path}: not a readable safetensors file ({err}); is it truncated?") from None
     for name, (dtype, _) in seen.items():
@@ -64,11 +115,26 @@ def read_safetensors_header(path: str | Path) -> tuple[dict, int]:
             raise CheckpointError(f"{path}: tensor {name!r} has dtype {dtype}, which moespec cannot read into a "
                                   f"model; it reads {', '.join(READ_DTYPES)}")
     start = 8 + size
-    if not isinstance(header, dict) or not _tiles(header, seen, path.stat().st_size - start):
+    if not isinstance(header, dict) or not _tiles(header, seen, os.fstat(handle.fileno()).st_size - start):
         raise CheckpointError(f"{path}: its header does not say what the safetensors library read from it; "
                               f"not a valid safetensors file")
     header["__metadata__"] = metadata
     return header, start
+
+
+def _still_at(path: Path, handle: BinaryIO) -> bool:
+    """Whether `path` still leads to the open file `handle` (writers replace files, never rewrite them)."""
+    try:
+        return os.path.samestat(os.stat(path), os.fstat(handle.fileno()))
+    except OSError:
+        return False
+
+
+def read_safetensors_header(path: str | Path) -> tuple[dict, int]:
+    """The validated JSON header of a safetensors file and the byte offset where its data starts
+    (`open_safetensors`)."""
+    with open_safetensors(path) as file:
+        return file.header, file.start
 
 
 def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
@@ -112,12 +178,16 @@ def check_castable(path: str | Path, name: str, dtype: str, target: torch.dtype)
                               f"drop the imaginary parts")
 
 
-def read_safetensors_into(path: str | Path, targets: Mapping[str, torch.Tensor]) -> None:
-    """Read each tensor of a safetensors file straight into `targets[name]`'s storage (cast if the dtypes
-    differ), with plain reads rather than a memory map: memory holds the targets plus at most one tensor.
-    The offsets come from a header the safetensors library validated (`read_safetensors_header`)."""
-    header, start = read_safetensors_header(path)
-    with open(path, "rb") as f, torch.no_grad():
+def read_safetensors_into(source: str | Path | SafetensorsFile, targets: Mapping[str, torch.Tensor]) -> None:
+    """Read each tensor of a safetensors file (a path, or one held open) straight into `targets[name]`'s storage
+    (cast if the dtypes differ), with plain reads rather than a memory map: memory holds the targets plus at
+    most one tensor. The offsets come from a header the safetensors library validated (`open_safetensors`)."""
+    if not isinstance(source, SafetensorsFile):
+        with open_safetensors(source) as opened:
+            read_safetensors_into(opened, targets)
+        return
+    path, header, start, f = source.path, source.header, source.start, source.handle
+    with torch.no_grad():
         for name, entry in header.items():
             if name == "__metadata__" or name not in targets:
                 continue

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,9 +28,10 @@ from typing import Callable, Sequence
 import torch
 
 from ..errors import MoespecError
-from .atomic import atomic_output, check_output, commit, remove_stale_temp_files, temp_output
+from .atomic import check_name, check_output, commit, remove_stale_temp_files, temp_output
+from .lock import output_lock
 from .safetensors import TensorInfo, write_safetensors
-from .sharding import DEFAULT_MAX_SHARD_SIZE, index_file, shard_files, shard_layout
+from .sharding import DEFAULT_MAX_SHARD_SIZE, INDEX_SUFFIX, index_file, read_json, shard_files, shard_layout
 from .write_ids import (
     WRITE_ID_KEY,
     carries,
@@ -46,9 +48,32 @@ def write_sharded(path: str | Path, infos: Sequence[TensorInfo], tensor: Callabl
     """Write tensors to `path` (one file), or to shards next to it plus `path.index.json` when they exceed
     `max_shard_size`, all or nothing as a reader sees it (module docstring). An output already at `path` (one
     file, or shards named by its index), or one an interrupted write left, is refused without `force`; with
-    `force` it is replaced whole. A full disk or an unwritable folder is a `MoespecError`; the previous output
-    is then what a reader sees. Returns the files written, index first if any."""
-    path = Path(path)
+    `force` it is replaced whole. One writer at a time: the output's lock (`lock.output_lock`) is held for
+    the whole write, and a second writer waits for it or is refused. A full disk or an unwritable folder is
+    a `MoespecError`; the previous output is then what a reader sees. Returns the files written, index first
+    if any."""
+    path = check_checkpoint_output(path, force)
+    with output_lock(path):
+        return _write_sharded(path, infos, tensor, metadata, max_shard_size, force)
+
+
+def check_checkpoint_output(path: str | Path, force: bool) -> Path:
+    """`check_output` for a checkpoint: its name must end in `.safetensors` (what it holds, and what readers go
+    by), and the index a sharded write printed names the checkpoint only by its base path."""
+    path = check_name(path)
+    if path.name.endswith(INDEX_SUFFIX) and len(path.name) > len(INDEX_SUFFIX):
+        base = path.with_name(path.name.removesuffix(".index.json"))
+        raise MoespecError(f"{path} is the index of a sharded checkpoint; name the output by its base path, {base} "
+                           f"(its shards and index are written next to it)")
+    if not path.name.endswith(".safetensors") or path.name == ".safetensors":
+        raise MoespecError(f"{path}: a moespec checkpoint is a safetensors file; name the output NAME.safetensors "
+                           f"(beyond the shard size, shards and an index are written next to it)")
+    return check_output(path, force)
+
+
+def _write_sharded(path: Path, infos: Sequence[TensorInfo], tensor: Callable[[TensorInfo], torch.Tensor],
+                   metadata: dict[str, str], max_shard_size: int, force: bool) -> list[Path]:
+    """`write_sharded` under the output's lock."""
     old = refuse_existing(path, force)
     layout = shard_layout(infos, max_shard_size)
     files = shard_files(path, len(layout))
@@ -91,7 +116,7 @@ def write_sharded(path: str | Path, infos: Sequence[TensorInfo], tensor: Callabl
                                f"any, is what a reader still gets") from None
         raise
     try:
-        _clean_up(path, old, written, journal)
+        _clean_up(path, old, written, journal, kept_for[0] if kept_for else None)
     except OSError as err:
         raise MoespecError(f"{path}: written, but the previous output's files could not all be removed "
                            f"({err.strerror or err}); the next write with --force removes them") from None
@@ -102,10 +127,12 @@ def refuse_existing(path: Path, force: bool) -> list[Path]:
     """The files of the output already at `path` (`existing_layout`); refused unless `force`, as are the files
     that an interrupted write to `path` left."""
     old = existing_layout(path)
+    index = index_file(path)
     if old and not force:
-        shards = [f for f in old if f != path and f != index_file(path)]
-        sharded = f" as a sharded checkpoint ({index_file(path).name} and {len(shards)} shard(s))" \
-            if index_file(path) in old else ""
+        if index in old and _index_content(index) is None:
+            raise MoespecError(f"{index} already exists and is not a safetensors index; pass --force to overwrite it")
+        shards = [f for f in old if f != path and f != index]
+        sharded = f" as a sharded checkpoint ({index.name} and {len(shards)} shard(s))" if index in old else ""
         raise MoespecError(f"{path} already exists{sharded}; pass --force to overwrite it")
     if not force and _Journal.file(path).exists():
         raise MoespecError(f"{path}: an earlier write to it was interrupted and left files next to it "
@@ -121,28 +148,31 @@ def existing_layout(path: Path) -> list[Path]:
     index = index_file(path)
     if index.is_file():
         found.append(index)
-        shards = {index.parent / name for name in _index_content(index)[1]}
+        content = _index_content(index)
+        shards = {index.parent / name for name in content[1]} if content is not None else set()
         found += sorted(shard for shard in shards if shard.is_file())
     return found
 
 
-def _index_content(index: Path) -> tuple[object, list[str]]:
-    """The write id and the plain shard names of an index; (None, []) for one that cannot be read."""
+def _index_content(index: Path) -> tuple[object, list[str]] | None:
+    """The write id and the plain shard names of an index; None for one that is not a readable index (or names
+    no shard). One larger than an index can be is refused unread."""
     try:
-        content = json.loads(index.read_text())
+        content = read_json(index, "a safetensors index")
         write_id, names = content["metadata"].get(WRITE_ID_KEY), list(content["weight_map"].values())
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return None, []
-    return write_id, sorted({name for name in names if isinstance(name, str) and plain_name(name)})
+    except (OSError, ValueError, RecursionError, KeyError, TypeError, AttributeError):
+        return None
+    return (write_id, sorted({name for name in names if isinstance(name, str) and plain_name(name)})) if names else None
 
 
 def _index_write_id(path: Path) -> tuple[str | None, set[str]] | None:
     """The write id of the index at `path.index.json` (None: an index without one) and its shard names; None
     when there is no index, or its id is malformed (nothing it names is then worth keeping)."""
     index = index_file(path)
-    if not index.is_file():
+    content = _index_content(index) if index.is_file() else None
+    if content is None:
         return None
-    write_id, names = _index_content(index)
+    write_id, names = content
     if write_id is not None and not valid_write_id(write_id):
         return None
     return write_id, set(names)
@@ -163,18 +193,35 @@ def _keep(shard: Path, write_id: str | None) -> None:
             commit(tmp, kept)
 
 
-def _clean_up(path: Path, old: list[Path], written: list[Path], journal: _Journal) -> None:
-    """After the commit: remove the previous output's files (its index first), the files that interrupted
-    writes left (only those carrying one of their write ids), the kept files, and the journal."""
-    for file in sorted(old, key=lambda f: f != index_file(path)):
-        if file not in written:
+def output_names(path: Path, name: str) -> bool:
+    """Whether `name` is one that a write to `path` gives its files: `path`'s own, its index's, or a shard's
+    (`{stem}-0000i-of-0000n.safetensors`). Nothing else next to it is ever a write's to remove."""
+    stem = re.escape(path.name.removesuffix(".safetensors"))
+    return name in (path.name, index_file(path).name) or re.fullmatch(rf"{stem}-\d{{5,}}-of-\d{{5,}}\.safetensors",
+                                                                      name) is not None
+
+
+def _clean_up(path: Path, old: list[Path], written: list[Path], journal: _Journal, old_id: str | None) -> None:
+    """After the commit: remove the files this write can prove are the output's. The previous output's files:
+    `path` and its index, and each shard the index names with a shard's name and the index's write id. The
+    files that interrupted writes left: shards' names carrying one of the journal's write ids (a journal is
+    not trusted: it only says which names and ids to check), and the kept files of those names. Then the
+    journal."""
+    index = index_file(path)
+    for file in sorted(old, key=lambda f: f != index):
+        if file not in written and (file in (path, index) or output_names(path, file.name) and carries(file, old_id)):
             file.unlink(missing_ok=True)
+    new_ids = [i for i in journal.write_ids if i is not None]
     for name in journal.names:
+        if not output_names(path, name):
+            continue
         file = path.with_name(name)
-        if file not in written and file.is_file() and any(carries(file, i) for i in journal.write_ids):
+        if file not in written and file.is_file() and any(carries(file, i) for i in new_ids):
             file.unlink()
         for write_id in journal.write_ids:
-            previous_file(file, write_id).unlink(missing_ok=True)
+            kept = previous_file(file, write_id)
+            if carries(kept, write_id):
+                kept.unlink()
     _Journal.file(path).unlink(missing_ok=True)
 
 
@@ -196,19 +243,23 @@ class _Journal:
 
     @classmethod
     def read(cls, path: Path) -> _Journal:
-        """The journal an interrupted write left; only valid ids and plain names are taken from it."""
+        """The journal an interrupted write left; only valid ids and the names of this output's files are taken
+        from it. One larger than a journal can be is refused unread."""
+        if not cls.file(path).is_file():
+            return cls()
         try:
-            content = json.loads(cls.file(path).read_text())
+            content = read_json(cls.file(path), "a moespec write journal")
             ids, names = list(content["write_ids"]), list(content["names"])
-        except (OSError, ValueError, KeyError, TypeError):
+        except (OSError, ValueError, RecursionError, KeyError, TypeError):
             return cls()
         return cls(frozenset(i for i in ids if i is None or valid_write_id(i)),
-                   frozenset(n for n in names if isinstance(n, str) and plain_name(n)))
+                   frozenset(n for n in names if isinstance(n, str) and plain_name(n) and output_names(path, n)))
 
     def extend(self, write_id: str, replaced_ids: list[str | None], files: list[Path]) -> _Journal:
         return _Journal(self.write_ids | {write_id, *replaced_ids}, self.names | {f.name for f in files})
 
     def write(self, path: Path) -> None:
-        with atomic_output(self.file(path), force=True) as tmp:
-            tmp.write_text(json.dumps({"write_ids": sorted(self.write_ids, key=str),
-                                       "names": sorted(self.names)}))
+        """Under the output's lock: a plain temp file and rename, no lock of its own."""
+        with temp_output(self.file(path)) as tmp:
+            tmp.write_text(json.dumps({"write_ids": sorted(self.write_ids, key=str), "names": sorted(self.names)}))
+            commit(tmp, self.file(path))

@@ -19,12 +19,12 @@ from ..compiler import create_model
 from ..errors import CheckpointError, MoespecError
 from ..io import (
     DEFAULT_MAX_SHARD_SIZE,
+    CheckpointChanged,
     TensorInfo,
-    check_output,
+    check_checkpoint_output,
     checkpoint_files,
-    read_safetensors_into,
+    open_checkpoint,
     refuse_existing,
-    safetensors_shapes,
     write_sharded,
 )
 from ..layers.expert_parallel import ExpertParallel, sharded_banks
@@ -33,6 +33,7 @@ from .dense import check_state_dict, read_state_dict
 
 PICKLED_SUFFIXES = tuple(suffix for suffix in DENSE_SUFFIXES if suffix != ".safetensors")
 SPEC_KEY, SPEC_HASH_KEY, VERSION_KEY = "moespec.spec", "moespec.spec_sha256", "moespec.version"
+READ_ATTEMPTS = 3  # reads of a checkpoint that a writer keeps replacing, before `load` gives up
 
 
 def save(model: nn.Module, path: str | Path, *, force: bool = False, dtype: torch.dtype | None = None,
@@ -67,8 +68,7 @@ def _save_sharded(model: nn.Module, state: dict[str, torch.Tensor], banks: dict[
     problem = [None]
     if writer:  # refuse before any collective, so that no rank waits on a gather that never comes
         try:
-            check_output(Path(path), force=force)
-            refuse_existing(Path(path), force)
+            refuse_existing(check_checkpoint_output(path, force), force)
         except MoespecError as error:
             problem[0] = str(error)
     dist.broadcast_object_list(problem, src=root, group=group)
@@ -109,6 +109,11 @@ def spec_metadata(spec: Spec) -> dict[str, str]:
 def read_spec(path: str | Path) -> Spec:
     """The spec embedded in a moespec checkpoint (checked against its hash)."""
     metadata, _ = checkpoint_files(path)
+    return _embedded_spec(path, metadata)
+
+
+def _embedded_spec(path: str | Path, metadata: dict[str, str]) -> Spec:
+    """The spec in a checkpoint's `metadata` (checked against its hash)."""
     spec_yaml = metadata.get(SPEC_KEY)
     if spec_yaml is None:
         raise CheckpointError(f"{path}: has no moespec spec in its metadata; is it a dense checkpoint? "
@@ -132,21 +137,40 @@ def load(path: str | Path, *, spec: Spec | str | Path | None = None, device: str
     if spec is None and pickled:
         raise CheckpointError(f"{path}: a pickled checkpoint holds no spec; say which spec's model it holds "
                               f"(spec=..., or --spec on the command line)")
-    if spec is None:
-        spec = read_spec(path)
-    elif not isinstance(spec, Spec):
+    if spec is not None and not isinstance(spec, Spec):
         spec = load_spec(spec)
-    if not pickled:  # the file's shapes, checked on a build that allocates nothing, before the real build
-        _, files = checkpoint_files(path)
-        shapes = {name: shape for file in files for name, shape in safetensors_shapes(file).items()}
-        check_state_dict(shapes, create_model(spec, device="meta"), f"{path}")
-    model = create_model(spec, device=device)
     if pickled:
+        model = create_model(spec, device=device)
         state = read_state_dict(path, trust_pickle=trust_pickle, ema=ema)
         check_state_dict(state, model, f"{path}")
         model.load_state_dict(state)
         return model
-    targets = model.state_dict()
-    for file in files:
-        read_safetensors_into(file, targets)
-    return model
+    return _load_safetensors(path, spec, device)
+
+
+def _load_safetensors(path: str | Path, spec: Spec | None, device: str | torch.device) -> nn.Module:
+    """`load` of a safetensors checkpoint: the spec (embedded, unless given) and the weights from one write.
+    Its files are held open from the moment the spec is read (past a few hundred shards, they are read by
+    name after the model is built); read again if a writer replaced them meanwhile (`io.open_checkpoint`),
+    up to `READ_ATTEMPTS` times."""
+    model, spec_hash, attempts = None, None, 0
+    while True:
+        attempts += 1
+        try:
+            with open_checkpoint(path) as checkpoint:
+                if model is None:
+                    wanted = spec or _embedded_spec(path, checkpoint.metadata)
+                    # the file's shapes, checked on a build that allocates nothing, before the real build
+                    check_state_dict(checkpoint.shapes(), create_model(wanted, device="meta"), f"{path}")
+                    model = create_model(wanted, device=device)
+                    spec_hash = checkpoint.metadata.get(SPEC_HASH_KEY)
+                    if checkpoint.opened is None:  # shards read by name: read them right after their index
+                        continue
+                elif spec is None and checkpoint.metadata.get(SPEC_HASH_KEY) != spec_hash:
+                    raise CheckpointError(f"{path}: rewritten with another spec while it was loaded; load it again")
+                check_state_dict(checkpoint.shapes(), model, f"{path}")
+                checkpoint.read_into(model.state_dict())
+                return model
+        except CheckpointChanged:
+            if attempts == READ_ATTEMPTS:
+                raise

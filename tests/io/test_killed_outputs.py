@@ -1,0 +1,88 @@
+"""Writers killed at every file-system step (issue 37): a report folder being replaced is the old or the new
+report after the next ordinary command, which cleans up what the killed writer left; a checkpoint being
+rewritten reads the same by its folder as by its path."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+
+import pytest
+
+from moespec.errors import MoespecError
+from moespec.io import atomic_output
+
+from .test_write_ids import _read, _write
+
+STEPS = ("replace", "rename", "link", "unlink", "remove", "rmdir")  # every change a writer makes to a folder
+
+
+def _killed(step: int, work) -> bool:
+    """Run `work` in a child process that SIGKILLs itself just before its `step`-th file-system change; False
+    if it finished first."""
+    pid = os.fork()
+    if pid == 0:
+        calls = [0]
+
+        def dying(original):
+            def call(*args, **kwargs):
+                calls[0] += 1
+                if calls[0] == step:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                return original(*args, **kwargs)
+            return call
+
+        for name in STEPS:
+            setattr(os, name, dying(getattr(os, name)))
+        try:
+            work()
+        finally:
+            os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    return os.WIFSIGNALED(status)
+
+
+def _report(folder, text: str, force: bool = False) -> None:
+    with atomic_output(folder, force=force, folder=True) as building:
+        (building / "summary.json").write_text(text)
+        (building / "index.html").write_text(text)
+
+
+def test_a_report_replacement_killed_at_any_step_is_recovered_by_the_next_ordinary_command(tmp_path):
+    """`inspect -o rep --force` killed between its renames left `.rep.old-PID` and no `rep`; the next
+    `inspect -o rep` then exited 1 ("internal error: IsADirectoryError"). Now that command puts the old report
+    back (and refuses to replace it without --force), or finds the new one, and removes what the kill left."""
+    rep, steps = tmp_path / "rep", 0
+    while True:
+        steps += 1
+        for entry in tmp_path.iterdir():
+            shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+        _report(rep, "old")
+        if not _killed(steps, lambda: _report(rep, "new", force=True)):
+            break
+        with pytest.raises(MoespecError, match="already exists and is not empty; pass --force"):
+            _report(rep, "next")  # the next ordinary command, without --force
+        assert (rep / "summary.json").read_text() in ("old", "new"), f"killed at step {steps}"
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["rep"], f"killed at step {steps}"
+        assert sorted(p.name for p in rep.iterdir()) == ["index.html", "summary.json"]
+    assert steps > 2 and (rep / "summary.json").read_text() == "new"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("before,after", [(1, 2), (2, 1), (2, 4)])
+def test_a_killed_rewrite_reads_the_same_by_folder_as_by_path(tmp_path, before, after):
+    """A one-file -> sharded rewrite killed early left a folder that `load(folder)` refused ("expected one
+    checkpoint in this folder, found ...") while `load(path)` worked. Now both read the same checkpoint."""
+    folder, steps = tmp_path / "out", 0
+    path = folder / "model.safetensors"
+    while True:
+        steps += 1
+        shutil.rmtree(folder, ignore_errors=True)
+        folder.mkdir()
+        _write(path, before, 1.0)
+        if not _killed(steps, lambda: _write(path, after, 2.0)):
+            break
+        assert _read(path) in ({1.0}, {2.0}), f"killed at step {steps}"
+        assert _read(folder) == _read(path), f"killed at step {steps}"
+    assert steps > after + 1 and _read(folder) == {2.0}
