@@ -11,8 +11,10 @@ from __future__ import annotations
 import contextlib
 import glob
 import os
+import random
 import re
 import shutil
+import string
 import tempfile
 from pathlib import Path
 from typing import Iterator
@@ -95,7 +97,7 @@ def temp_output(path: Path, *, folder: bool = False) -> Iterator[Path]:
     prefix, parent = f".{path.name}.{os.getpid()}.", path.absolute().parent
     try:
         if folder:
-            tmp = tempfile.mkdtemp(prefix=prefix, suffix=".tmp", dir=parent)
+            tmp = str(_marked_folder(parent, prefix))
         else:
             fd, tmp = tempfile.mkstemp(prefix=prefix, suffix=".tmp", dir=parent)
             os.close(fd)
@@ -109,6 +111,8 @@ def temp_output(path: Path, *, folder: bool = False) -> Iterator[Path]:
             shutil.rmtree(tmp)
         elif os.path.exists(tmp):
             os.remove(tmp)
+        if folder:
+            _mark(Path(tmp)).unlink(missing_ok=True)
 
 
 def commit(tmp: Path, path: Path) -> None:
@@ -120,16 +124,47 @@ def commit(tmp: Path, path: Path) -> None:
 
 
 def _replace_folder(new: Path, path: Path) -> None:
-    """Rename the complete folder `new` to `path`; an old `path` is moved aside first, to `.{name}.old-{pid}`,
-    and removed after. Killed between the two renames, the old folder is put back by the next check of
-    `path` (`_restore_folder`); killed after them, the next write removes it."""
+    """Rename the complete folder `new` to `path`; an old `path` is moved aside first, to `.{name}.old-{pid}`
+    (marked as this writer's: `_mark`), and removed after. Killed between the two renames, the old folder is
+    put back by the next check of `path` (`_restore_folder`); killed after them, the next write removes it."""
     old = None
     if path.exists():
         old = _old_folder(path, os.getpid())
+        _mark(old).touch()
         os.replace(path, old)
     os.replace(new, path)
+    _mark(new).unlink(missing_ok=True)
     if old is not None:
         shutil.rmtree(old)
+        _mark(old).unlink(missing_ok=True)
+
+
+WRITER_MARK = ".writing"  # `X.writing` beside a folder X: X is a moespec writer's own (its temp or moved-aside old)
+
+
+def _mark(folder: Path) -> Path:
+    """The file whose presence says that `folder` is a writer's own: a temp folder it made, or the old output it
+    moved aside. A folder of the same name without it (a user's, a planted one) is never removed or moved."""
+    return folder.with_name(folder.name + WRITER_MARK)
+
+
+def _marked_folder(parent: Path, prefix: str) -> Path:
+    """A new empty folder `{prefix}xxxxxxxx.tmp` in `parent`, its mark made first (so that a writer killed in
+    between leaves a mark without a folder, which the next write removes, never an unmarked folder)."""
+    for _ in range(100):
+        folder = parent / f"{prefix}{''.join(random.choices(string.ascii_lowercase + string.digits, k=8))}.tmp"
+        try:
+            fd = os.open(_mark(folder), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+        except FileExistsError:
+            continue
+        os.close(fd)
+        try:
+            os.mkdir(folder, 0o700)
+        except FileExistsError:
+            _mark(folder).unlink()
+            continue
+        return folder
+    raise FileExistsError(f"{parent}: no free temp folder name for {prefix}")
 
 
 def _old_folder(path: Path, pid: int) -> Path:
@@ -142,7 +177,7 @@ def _dead_writers_folders(path: Path) -> list[Path]:
     for old in path.parent.glob(f".{glob.escape(path.name)}.old-*"):
         pid = old.name[len(path.name) + 6:]
         if pid.isdigit() and old == _old_folder(path, int(pid)) and old.is_dir() and not old.is_symlink() \
-                and not _alive(int(pid)):
+                and _mark(old).is_file() and not _alive(int(pid)):
             found.append(old)
     return found
 
@@ -154,7 +189,7 @@ def _restore_folder(path: Path, *, locked: bool = False) -> None:
     (`locked`: the caller holds it)."""
     if not path.parent.is_dir():
         return
-    if not (_dead_writers_folders(path) or _stale_temp_files(path) or lock_file(path).exists()):
+    if not (_dead_writers_folders(path) or _stale_temp_files(path) or _stale_marks(path) or lock_file(path).exists()):
         return
     with contextlib.nullcontext() if locked else output_lock(path):
         for old in sorted(_dead_writers_folders(path), key=lambda p: p.stat().st_mtime, reverse=True):
@@ -163,6 +198,8 @@ def _restore_folder(path: Path, *, locked: bool = False) -> None:
             else:
                 with contextlib.suppress(OSError):  # another user's, in a sticky folder: theirs to remove
                     shutil.rmtree(old)
+            with contextlib.suppress(OSError):
+                _mark(old).unlink()
         remove_stale_temp_files(path)
 
 
@@ -184,11 +221,15 @@ def remove_stale_temp_files(path: Path) -> list[Path]:
         try:
             if tmp.is_dir() and not tmp.is_symlink():
                 shutil.rmtree(tmp)
+                _mark(tmp).unlink(missing_ok=True)
             else:
                 tmp.unlink(missing_ok=True)
         except PermissionError:
             continue
         removed.append(tmp)
+    for mark in _stale_marks(path):  # of a folder already gone: the writer was killed before or after it
+        with contextlib.suppress(OSError):
+            mark.unlink()
     return removed
 
 
@@ -197,9 +238,21 @@ def _stale_temp_files(path: Path) -> list[Path]:
     stale = []
     for tmp in path.parent.glob(f".{glob.escape(path.name)}.*.tmp"):
         match = _TEMP_SUFFIX.fullmatch(tmp.name[len(path.name) + 1:])
-        if match is not None and not _alive(int(match[1])):
+        if match is not None and not _alive(int(match[1])) and (not tmp.is_dir() or _mark(tmp).is_file()):
             stale.append(tmp)
     return stale
+
+
+def _stale_marks(path: Path) -> list[Path]:
+    """Marks (`_mark`) next to `path` of dead writers whose folder no longer exists."""
+    found = []
+    for mark in path.parent.glob(f".{glob.escape(path.name)}.*{WRITER_MARK}"):
+        folder = mark.with_name(mark.name[: -len(WRITER_MARK)])
+        rest = folder.name[len(path.name) + 1:]
+        match = _TEMP_SUFFIX.fullmatch(rest) or re.fullmatch(r"\.old-(\d+)", rest)
+        if match is not None and not _alive(int(match[1])) and not os.path.lexists(folder):
+            found.append(mark)
+    return found
 
 
 def _alive(pid: int) -> bool:

@@ -177,3 +177,27 @@ def test_reading_an_index_is_linear_in_its_shards(tmp_path):
     started = time.monotonic()
     _, files = checkpoint_files(index)
     assert len(files) == shards and time.monotonic() - started < 40
+
+
+def test_folders_with_a_writers_names_but_not_its_mark_are_never_moved_or_removed(tmp_path):
+    """A report (any folder output) removes or puts back only folders it can tie to a writer: a dead writer's
+    temp folder or moved-aside old report carries a mark beside it (`atomic._mark`). Folders planted under the
+    same names, holding a user's files, survive a forced replacement and the next ordinary check."""
+    from moespec.io import atomic
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    report = tmp_path / "rep"
+    report.mkdir()
+    (report / "old.txt").write_text("the old report")
+    planted = [tmp_path / f".rep.old-{dead.pid}", tmp_path / f".rep.{dead.pid}.abcdefgh.tmp"]
+    for folder in planted:
+        folder.mkdir()
+        (folder / "notes.txt").write_text("a user's")
+    with atomic.atomic_output(report, force=True, folder=True) as tmp:
+        (tmp / "new.txt").write_text("the new report")
+    atomic.check_output(report, force=True, folder=True)
+    assert sorted(p.name for p in report.iterdir()) == ["new.txt"]
+    for folder in planted:
+        assert (folder / "notes.txt").read_text() == "a user's"
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["rep", *(p.name for p in planted)])
