@@ -79,11 +79,13 @@ def _write_sharded(path: Path, infos: Sequence[TensorInfo], tensor: Callable[[Te
     files = shard_files(path, len(layout))
     index = index_file(path) if len(files) > 1 else None
     written = ([index] if index is not None else []) + files
-    for file in written:
-        check_output(file, force)
+    earlier = _Journal.read(path)
+    interrupted = [i for i in earlier.write_ids if i is not None]
+    for file in written:  # a shard an interrupted write renamed into place is that write's, not a user's
+        if not (file.is_file() and any(carries(file, i) for i in interrupted)):
+            check_output(file, force)
     write_id = new_write_id()
     kept_for = _index_write_id(path)  # the write a reader of the current index reads, and its shard names
-    earlier = _Journal.read(path)
     journal = earlier.extend(write_id, [kept_for[0]] if kept_for else [], old + written)
     for name in journal.names:
         remove_stale_temp_files(path.with_name(name))
@@ -124,8 +126,9 @@ def _write_sharded(path: Path, infos: Sequence[TensorInfo], tensor: Callable[[Te
 
 
 def refuse_existing(path: Path, force: bool) -> list[Path]:
-    """The files of the output already at `path` (`existing_layout`); refused unless `force`, as are the files
-    that an interrupted write to `path` left."""
+    """The files of the output already at `path` (`existing_layout`); refused unless `force`. What an
+    interrupted write to an output that is not there left is not refused: the next write removes it (its own
+    files, by their write ids in the journal)."""
     old = existing_layout(path)
     index = index_file(path)
     if old and not force:
@@ -134,9 +137,6 @@ def refuse_existing(path: Path, force: bool) -> list[Path]:
         shards = [f for f in old if f != path and f != index]
         sharded = f" as a sharded checkpoint ({index.name} and {len(shards)} shard(s))" if index in old else ""
         raise MoespecError(f"{path} already exists{sharded}; pass --force to overwrite it")
-    if not force and _Journal.file(path).exists():
-        raise MoespecError(f"{path}: an earlier write to it was interrupted and left files next to it "
-                           f"({_Journal.file(path).name}); pass --force to replace them")
     return old
 
 

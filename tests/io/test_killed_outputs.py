@@ -86,3 +86,29 @@ def test_a_killed_rewrite_reads_the_same_by_folder_as_by_path(tmp_path, before, 
         assert _read(path) in ({1.0}, {2.0}), f"killed at step {steps}"
         assert _read(folder) == _read(path), f"killed at step {steps}"
     assert steps > after + 1 and _read(folder) == {2.0}
+
+
+@pytest.mark.parametrize("files", [1, 4])
+def test_a_first_write_killed_at_any_step_is_cleaned_up_by_the_next_ordinary_write(tmp_path, files):
+    """A checkpoint write to a new path killed at any step: the next write without --force goes ahead when no
+    checkpoint is there (it was refused while the killed write's journal was there), removes what the killed
+    write left, and leaves only the new checkpoint's files. Where the killed write got as far as its index,
+    the checkpoint is there, and replacing it still takes --force."""
+    folder, steps = tmp_path / "out", 0
+    path = folder / "model.safetensors"
+    while True:
+        steps += 1
+        shutil.rmtree(folder, ignore_errors=True)
+        folder.mkdir()
+        if not _killed(steps, lambda: _write(path, files, 1.0, force=False)):
+            break
+        complete = path.is_file() or path.with_name(path.name + ".index.json").is_file()
+        if complete:
+            with pytest.raises(MoespecError, match="already exists"):
+                _write(path, files, 2.0, force=False)
+        else:
+            _write(path, files, 2.0, force=False)  # the next ordinary write
+        assert _read(path) == ({1.0} if complete else {2.0}), f"killed at step {steps}"
+        left = sorted(p.name for p in folder.iterdir() if not p.name.endswith(".lock"))
+        assert all(not name.startswith(".") for name in left) or complete, f"killed at step {steps}: {left}"
+    assert steps > files
