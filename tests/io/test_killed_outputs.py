@@ -43,6 +43,16 @@ def _killed(step: int, work) -> bool:
     return os.WIFSIGNALED(status)
 
 
+def _empty_folders(folder):
+    """Step numbers 1, 2, ... with `folder` made empty before each: one kill point per round."""
+    step = 0
+    while True:
+        step += 1
+        shutil.rmtree(folder, ignore_errors=True)
+        folder.mkdir()
+        yield step
+
+
 def _report(folder, text: str, force: bool = False) -> None:
     with atomic_output(folder, force=force, folder=True) as building:
         (building / "summary.json").write_text(text)
@@ -74,12 +84,9 @@ def test_a_report_replacement_killed_at_any_step_is_recovered_by_the_next_ordina
 def test_a_killed_rewrite_reads_the_same_by_folder_as_by_path(tmp_path, before, after):
     """A one-file -> sharded rewrite killed early left a folder that `load(folder)` refused ("expected one
     checkpoint in this folder, found ...") while `load(path)` worked. Now both read the same checkpoint."""
-    folder, steps = tmp_path / "out", 0
+    folder = tmp_path / "out"
     path = folder / "model.safetensors"
-    while True:
-        steps += 1
-        shutil.rmtree(folder, ignore_errors=True)
-        folder.mkdir()
+    for steps in _empty_folders(folder):
         _write(path, before, 1.0)
         if not _killed(steps, lambda: _write(path, after, 2.0)):
             break
@@ -94,12 +101,9 @@ def test_a_first_write_killed_at_any_step_is_cleaned_up_by_the_next_ordinary_wri
     checkpoint is there (it was refused while the killed write's journal was there), removes what the killed
     write left, and leaves only the new checkpoint's files. Where the killed write got as far as its index,
     the checkpoint is there, and replacing it still takes --force."""
-    folder, steps = tmp_path / "out", 0
+    folder = tmp_path / "out"
     path = folder / "model.safetensors"
-    while True:
-        steps += 1
-        shutil.rmtree(folder, ignore_errors=True)
-        folder.mkdir()
+    for steps in _empty_folders(folder):
         if not _killed(steps, lambda: _write(path, files, 1.0, force=False)):
             break
         complete = path.is_file() or path.with_name(path.name + ".index.json").is_file()
