@@ -32,9 +32,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import fused
 from .dispatch import auto_step, autocast_dtype, equal_segments_step, sync_free
 from .expert_autograd import CombinePairs, ExpertLinear, GatherPairs, SegmentGraphs, expert_segments
+from .fused import activation, fused_experts, unavailable
 from .routing import at_least_fp32, inverse_permutation
 
 GluOrder = Literal["act_first", "act_last"]  # act(a) * b (SwiGLU)  |  a * act(b) (timm GluMlp default)
@@ -389,16 +389,16 @@ class Experts(nn.Module):
         autocast, in autocast's dtype."""
         w1, b1, _, _, w2, b2 = self._param_list()
         order = None if position is None else inverse_permutation(position.reshape(-1))  # sorted row -> t * k + j
-        return fused.fused_experts(items, torch.cumsum(counts, 0).to(torch.int32), w1, b1, w2, b2,
-                                   act=fused.activation(self.act), glu=self.glu, order=order,
+        return fused_experts(items, torch.cumsum(counts, 0).to(torch.int32), w1, b1, w2, b2,
+                                   act=activation(self.act), glu=self.glu, order=order,
                                    top_k=1 if position is None else position.shape[1], gates=weights,
                                    dtype=autocast_dtype(items.device) or w1.dtype)
 
     def _check_fused(self, like: torch.Tensor) -> None:
         """Raise, saying why, where the forced triton step cannot run these experts on `like`'s device."""
         dtype = autocast_dtype(like.device) or self.fc1.weight.dtype
-        reasons = [fused.unavailable(like.device, dtype)]
-        if fused.activation(self.act) is None:
+        reasons = [unavailable(like.device, dtype)]
+        if activation(self.act) is None:
             reasons.append(f"the kernels take GELU (exact) or SiLU, not {self.act}")
         if self.inner_norm != "none":
             reasons.append(f"the kernels have no inner norm ({self.inner_norm})")
