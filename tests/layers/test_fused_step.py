@@ -26,6 +26,8 @@ from moespec.layers.experts import Experts
 from moespec.layers.moe import MoE
 from moespec.layers.routers import ExpertChoiceRouter, ImageRouter, LinearGate, TopKRouter
 
+from .test_device_path import _step as outputs_and_gradients
+
 DIM, HIDDEN, IMAGES, TOKENS = 32, 64, 3, 7
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -72,13 +74,7 @@ def _step(layer: nn.Module, x: torch.Tensor, step: str) -> tuple[torch.Tensor, l
     weights each output."""
     experts = layer.experts if isinstance(layer, MoE) else layer._orig_mod.experts
     experts.dispatch = step
-    layer.zero_grad()
-    x = x.detach().requires_grad_()
-    y = layer(x)
-    weights = torch.linspace(-1, 1, y.numel()).view_as(y)
-    loss = (y * weights).sum() + sum(getattr(layer, "aux_losses", {}).values(), torch.zeros(()))
-    loss.backward()
-    return y.detach(), [x.grad] + [p.grad for p in layer.parameters()]
+    return outputs_and_gradients(layer, x)
 
 
 def _assert_same(got, want, rtol=1e-4, atol=1e-5):
