@@ -110,7 +110,7 @@ def test_an_expert_cut_from_every_unit_after_the_shared_pre_module_is_the_dense_
 def test_clamp_bounds_bite_and_an_unclipped_bank_has_none():
     dense = randomize(_clipped_gemma()).eval()
     with torch.no_grad():
-        y = dense(3 * torch.randn(4, C))
+        y = dense(3 * torch.randn(256, C, generator=torch.Generator().manual_seed(0)))  # seeded: the bound is met
     assert (y == -0.04).any() and y.max() <= 0.05  # down_proj clamps its output
     adapter = find_adapter(dense)
     assert adapter.build_experts(dense, 2, H).clamp.shape == (3, 4)
