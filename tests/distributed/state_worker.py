@@ -228,7 +228,9 @@ def kill(out: Path, kills: list[str]) -> list[dict]:
 def _save_forever(root: Path) -> None:
     for step in range(2, 10_000):
         _save(root, step)
-        (root / "saved.txt").write_text(str(step))
+        # Atomically: a SIGKILL between write_text's truncate and write would leave an empty record.
+        (root / "saved.tmp").write_text(str(step))
+        os.replace(root / "saved.tmp", root / "saved.txt")
 
 
 def sigkill(out: Path, rounds: int) -> list[dict]:
@@ -250,8 +252,9 @@ def sigkill(out: Path, rounds: int) -> list[dict]:
         os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
         saved = root / "saved.txt"
-        last = int(saved.read_text()) if saved.exists() and saved.read_text().isdigit() else 1
+        last = int(saved.read_text()) if saved.exists() else 1
         saved.unlink(missing_ok=True)
+        (root / "saved.tmp").unlink(missing_ok=True)
         problems = _after_kill(root, {last, last + 1}, "load-first", planted)
         results.append({"point": f"round {round_}: SIGKILL after save {last}", "problems": problems})
     return results
