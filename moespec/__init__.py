@@ -22,6 +22,7 @@ from .spec import Spec, load_spec
 # `__getattr__` below), so `from moespec import create_model` works as before; type checkers and IDEs see the
 # names through the TYPE_CHECKING imports.
 if TYPE_CHECKING:
+    from .apps.optimizer import optimizer_groups
     from .apps.timm_registry import register_timm
     from .compiler import create_model, moe_layers, plan_of
     from .counting import stats
@@ -29,7 +30,8 @@ if TYPE_CHECKING:
     from .weights import load, save, upcycle, upcycle_to_checkpoint
 
 _LAZY = {
-    "register_timm": "apps.timm_registry", "create_model": "compiler", "moe_layers": "compiler", "plan_of": "compiler",
+    "optimizer_groups": "apps.optimizer", "register_timm": "apps.timm_registry",
+    "create_model": "compiler", "moe_layers": "compiler", "plan_of": "compiler",
     "stats": "counting",
     "aux_loss": "layers.moe", "follow_grad_scaler": "layers.moe", "load": "weights", "save": "weights",
     "upcycle": "weights", "upcycle_to_checkpoint": "weights",
@@ -38,8 +40,8 @@ _LAZY = {
 
 __all__ = [
     "CheckpointError", "MoespecError", "Plan", "Spec", "SpecError", "aux_loss", "create_model", "follow_grad_scaler",
-    "load", "load_spec", "moe_layers", "plan", "plan_of", "register_timm", "save", "stats", "upcycle",
-    "upcycle_to_checkpoint",
+    "load", "load_spec", "moe_layers", "optimizer_groups", "plan", "plan_of", "register_timm", "save", "stats",
+    "upcycle", "upcycle_to_checkpoint",
 ]
 
 

@@ -10,8 +10,9 @@ all_to_all; `--batch-size` is per rank. Run plainly, it trains one unsharded mod
 
 Each step: cross-entropy + `moespec.aux_loss(model)` (global statistics under expert parallelism), backward,
 `moespec.distributed.clip_grad_norm_` with `--clip-grad` (the norm over every rank's experts), AdamW from
-timm's `create_optimizer_v2` (no weight decay on 1-D parameters and `no_weight_decay()` names), linear warmup
-then cosine decay, bfloat16 autocast on GPUs.
+timm's `create_optimizer_v2` over `moespec.optimizer_groups` (timm's groups: no weight decay on 1-D parameters
+and `no_weight_decay()` names; the routed experts at `--expert-weight-decay`), linear warmup then cosine decay,
+bfloat16 autocast on GPUs.
 
 `--output DIR` receives DIR/state (model + optimizer + step + scheduler, `moespec.distributed.save_state`:
 resumable at any world size) every `--save-every` steps and at the end, and DIR/model.safetensors at the end
@@ -61,6 +62,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     optim = parser.add_argument_group("optimization")
     optim.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (default: %(default)s)")
     optim.add_argument("--weight-decay", type=float, default=0.05, help="AdamW's (default: %(default)s)")
+    optim.add_argument("--expert-weight-decay", type=float,
+                       help="the routed experts' weight decay (default: --weight-decay's)")
     optim.add_argument("--warmup-steps", type=int, default=0,
                        help="linear warmup steps, then a cosine to 0 (default: %(default)s)")
     optim.add_argument("--clip-grad", type=float, help="clip the global gradient norm to this")
@@ -84,6 +87,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--init load needs --checkpoint (a moespec checkpoint)")
     if args.init == "fresh" and args.checkpoint is not None:
         parser.error("--checkpoint is for --init upcycle or --init load")
+    if args.expert_weight_decay is not None and not args.expert_weight_decay >= 0:
+        parser.error(f"--expert-weight-decay must be >= 0, got {args.expert_weight_decay}")
     if args.output is None and args.resume is not None:
         args.output = args.resume if (args.resume / "state").is_dir() else args.resume.parent
     return args
@@ -182,6 +187,12 @@ def global_mean(values: list[torch.Tensor]) -> list[float]:
     return stacked.tolist()
 
 
+def build_optimizer(model: nn.Module, args: argparse.Namespace) -> torch.optim.Optimizer:
+    """AdamW over timm's parameter groups, the routed experts at --expert-weight-decay."""
+    groups = moespec.optimizer_groups(model, args.weight_decay, expert_weight_decay=args.expert_weight_decay)
+    return create_optimizer_v2(groups, "adamw", lr=args.lr, weight_decay=args.weight_decay)
+
+
 def save(output: Path, model: nn.Module, optimizer, scheduler, step: int, final: bool) -> None:
     """The training state (every rank writes its part), and at the end the model in the one-process format."""
     md.save_state(output / "state", model, optimizer, extra={"step": step, "scheduler": scheduler.state_dict()})
@@ -225,7 +236,7 @@ def train(args: argparse.Namespace) -> None:
                            f"rank(s); lower --batch-size or add images")
     total = args.steps if args.steps is not None else (args.epochs or 1) * steps_per_epoch
 
-    optimizer = create_optimizer_v2(model, "adamw", lr=args.lr, weight_decay=args.weight_decay)
+    optimizer = build_optimizer(model, args)
     scheduler = LambdaLR(optimizer, cosine_with_warmup(args.warmup_steps, total))
     step = resume_from(args.resume, model, optimizer, scheduler) if args.resume else 0
     net = DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None) \

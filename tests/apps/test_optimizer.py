@@ -1,0 +1,80 @@
+"""`moespec.optimizer_groups`: timm's parameter groups, with the routed experts at their own weight decay."""
+
+from __future__ import annotations
+
+import torch
+from timm.optim import create_optimizer_v2
+from timm.optim._param_groups import param_groups_layer_decay, param_groups_weight_decay
+
+import moespec
+
+from ..conftest import TINY_VIT, make_spec
+
+MOE = [{"where": {"every": 2}, "experts": 4, "shared_experts": 1, "router": {"top_k": 2}}]
+TINY_CONVNEXT_V2 = {"model": "convnextv2_atto", "kwargs": {"depths": (1, 1, 2, 1), "num_classes": 10}}
+
+
+def _names(model, groups):
+    """Each group as (its settings but params, the sorted names of its params)."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    return [({k: v for k, v in g.items() if k != "params"}, sorted(names[id(p)] for p in g["params"]))
+            for g in groups]
+
+
+def _decay_of(model, groups):
+    return {name: settings["weight_decay"] for settings, names in _names(model, groups) for name in names}
+
+
+def test_without_an_expert_decay_the_groups_are_timms():
+    model = moespec.create_model(make_spec(TINY_VIT, MOE))
+    no_decay = model.no_weight_decay()
+    assert _names(model, moespec.optimizer_groups(model, 0.05)) == \
+        _names(model, param_groups_weight_decay(model, 0.05, no_weight_decay_list=no_decay))
+    assert _names(model, moespec.optimizer_groups(model, 0.05, layer_decay=0.75)) == \
+        _names(model, param_groups_layer_decay(model, 0.05, no_weight_decay_list=no_decay, layer_decay=0.75))
+    # and the same as timm's own optimizer factory makes (which reads no_weight_decay() itself)
+    timm_groups = create_optimizer_v2(model, "adamw", lr=1e-3, weight_decay=0.05).param_groups
+    ours = create_optimizer_v2(moespec.optimizer_groups(model, 0.05), "adamw", lr=1e-3, weight_decay=0.05).param_groups
+    assert [g["weight_decay"] for g in ours] == [g["weight_decay"] for g in timm_groups]
+    assert [[id(p) for p in g["params"]] for g in ours] == [[id(p) for p in g["params"]] for g in timm_groups]
+
+
+def test_routed_expert_weights_get_their_own_decay_and_nothing_else_changes():
+    model = moespec.create_model(make_spec(TINY_VIT, MOE))
+    timm_decay = _decay_of(model, param_groups_weight_decay(model, 0.05, no_weight_decay_list=model.no_weight_decay()))
+    decay = _decay_of(model, moespec.optimizer_groups(model, 0.05, expert_weight_decay=0.2))
+    assert decay.keys() == timm_decay.keys() == {n for n, p in model.named_parameters() if p.requires_grad}
+    changed = {name for name in decay if decay[name] != timm_decay[name]}
+    assert changed == {"blocks.1.mlp.experts.fc1.weight", "blocks.1.mlp.experts.fc2.weight"}
+    assert all(decay[name] == 0.2 for name in changed)
+    # biases, pos_embed / cls_token (no_weight_decay()), the router and the shared expert keep timm's decay
+    assert decay["blocks.1.mlp.experts.fc1.bias"] == decay["pos_embed"] == decay["cls_token"] == 0.0
+    assert decay["blocks.1.mlp.shared.fc1.weight"] == decay["blocks.1.attn.qkv.weight"] == 0.05
+    assert any(decay[name] == 0.05 for name in decay if ".mlp.router." in name)
+    torch.optim.AdamW(moespec.optimizer_groups(model, 0.05, expert_weight_decay=0.2), lr=1e-3)  # torch takes them
+
+
+def test_layer_decay_keeps_each_layers_lr_scale_for_its_experts():
+    model = moespec.create_model(make_spec(TINY_VIT, MOE))
+    groups = moespec.optimizer_groups(model, 0.05, expert_weight_decay=0.0, layer_decay=0.5)
+    timm_groups = param_groups_layer_decay(model, 0.05, no_weight_decay_list=model.no_weight_decay(),
+                                           layer_decay=0.5)
+    scale = {name: settings["lr_scale"] for settings, names in _names(model, timm_groups) for name in names}
+    for settings, names in _names(model, groups):
+        assert all(settings["lr_scale"] == scale[name] for name in names)
+        if any(".experts.fc" in name and name.endswith(".weight") for name in names):
+            assert settings["weight_decay"] == 0.0 and all(".experts." in name for name in names)
+    assert len(groups) == len(timm_groups) + 1  # one block with experts: its decayed group split in two
+
+
+def test_an_experts_stacked_vectors_never_decay():
+    """A GRN expert's weight / bias (`experts.norm`) are [E, H]: a vector per expert, like the dense GRN's [H],
+    which timm does not decay (timm's layer-decay rule alone, ndim <= 1, would decay the stacks)."""
+    model = moespec.create_model(make_spec(TINY_CONVNEXT_V2, [{"where": {"stage_last": 1}, "experts": 2}]))
+    stacked = [n for n, p in model.named_parameters() if ".experts." in n and p.ndim == 2]
+    assert "stages.3.blocks.0.mlp.experts.norm.weight" in stacked
+    for layer_decay in (None, 0.75):
+        decay = _decay_of(model, moespec.optimizer_groups(model, 0.05, expert_weight_decay=0.1,
+                                                          layer_decay=layer_decay))
+        assert all(decay[name] == 0.0 for name in stacked)
+        assert {decay[n] for n, p in model.named_parameters() if ".experts." in n and p.ndim == 3} == {0.1}
