@@ -6,6 +6,7 @@ model registered under its one YAML key, with a `resolve(layout)` that returns g
 `SelectorError` listing what exists.
 
     {every: 2}                    blocks i with (i + 1) % 2 == 0
+    {stage_every: 2}              the same within each stage: block j of a stage with (j + 1) % 2 == 0
     {last: 2} / {first: 2}        the last / first 2 blocks
     {blocks: [0, -1]}             explicit indices, negatives count from the end
     {stage_last: 2}               the final block of each of the last 2 stages ("all": every stage)
@@ -66,6 +67,21 @@ class Every(Selector):
 
     def resolve(self, layout: BlockLayout) -> list[int]:
         return [i for i in range(len(layout.blocks)) if (i + 1) % self.every == 0]
+
+
+@register_selector("stage_every")
+class StageEvery(Selector):
+    """Every N-th block of each stage, counted from the stage's first block: blocks j of a stage with
+    (j + 1) % N == 0. The sweet-spot study's "Every 2" on ConvNeXt-T (stages of 3, 3, 9, 3 blocks): 1, 1,
+    1 3 5 7, 1, 7 layers; `{every: 2}` counts across the stages (9 layers). On a single-stage model the two
+    agree."""
+
+    FORM: ClassVar[str] = "{stage_every: N}"
+
+    stage_every: BlockCount
+
+    def resolve(self, layout: BlockLayout) -> list[int]:
+        return [block for stage in layout.stages for j, block in enumerate(stage) if (j + 1) % self.stage_every == 0]
 
 
 @register_selector("last")

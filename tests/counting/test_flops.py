@@ -95,8 +95,8 @@ EXPECTED = {
     "convnext_b_moe4_last2_top1": ("convnext_base", _convnext([0, 0, 1, 1], CONVNEXT_B, 4, ratio=2)),
     "convnext_t_moe8_last2_top1": ("convnext_tiny", _convnext([0, 0, 1, 1], CONVNEXT_T_S, 8)),
     "convnext_t_moe8_stage_top1": ("convnext_tiny", _convnext([1, 1, 1, 1], CONVNEXT_T_S, 8)),
-    # Every 2 over the 18 blocks (3, 3, 9, 3): global 1 | 3, 5 | 7, 9, 11, 13 | 15, 17
-    "convnext_t_moe8_every2_top1": ("convnext_tiny", _convnext([1, 2, 4, 2], CONVNEXT_T_S, 8)),
+    # Every 2 within each stage of (3, 3, 9, 3) blocks: 1 | 1 | 1, 3, 5, 7 | 1
+    "convnext_t_moe8_every2_top1": ("convnext_tiny", _convnext([1, 1, 4, 1], CONVNEXT_T_S, 8)),
     "convnext_t_moe8_last3_top1": ("convnext_tiny", _convnext([0, 0, 2, 1], CONVNEXT_T_S, 8)),  # + stages.2.blocks.4
     **{f"dinov2_s14_image_e{n}_last{depth}{suffix}": (
         "vit_small_patch14_dinov2", _layers(depth, "image", 384, 257, n, 1, shared=int(bool(suffix))))

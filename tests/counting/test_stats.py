@@ -51,6 +51,26 @@ def test_convnext_t_moe4_last2_ratio2_params():
     assert s.activated_params == s.dense_params + activated
 
 
+@pytest.mark.slow  # a real-size shipped spec traced, about 7 s: CI runs it
+def test_convnext_t_moe8_every2_params_against_a_hand_calculation_and_the_paper():
+    """The sweet-spot study's ConvNeXt-T "Every 2", 8 experts, top-1 (Tables 3 and 7): 97.5M parameters. Every
+    second block of each stage, 7 MoE layers: one in stages 0, 1 and 3 (dims 96, 192, 768), four in stage 2
+    (dim 384). Counting across the stages instead (`{every: 2}`, 9 layers) gives 132.5M."""
+    s = moespec.stats(moespec.load_spec(SPECS_DIR / "convnext_t_moe8_every2_top1.yaml"))
+    assert s.dense_params == 28_589_128
+    dims = [96, 192, 384, 384, 384, 384, 768]
+
+    def mlp(dim):  # fc1 + fc2 at hidden 4 * dim, weights and biases: 8 dim^2 + 5 dim
+        return 8 * dim * dim + 5 * dim
+
+    # each layer: the dense Mlp becomes 8 experts and a bias-free router (dim x 8)
+    total = s.dense_params + sum(7 * mlp(d) + 8 * d for d in dims)
+    assert s.total_params == total == 97_341_352
+    assert s.activated_params == s.dense_params + sum(8 * d for d in dims)
+    assert (s.moe_layers, s.experts_total) == (7, 56)
+    assert abs(s.total_params / 97.5e6 - 1) < 0.01  # the paper's 97.5M, within 1%
+
+
 @pytest.mark.slow  # two real-size shipped specs traced: CI runs it
 def test_dense_specs_count_the_backbone():
     for name in ("vit_s16_dense.yaml", "convnext_t_dense.yaml"):

@@ -37,6 +37,7 @@ BOUNDS = {  # field: (a spec with the value there, the lowest and the highest va
     "moe.0.where.last": (in_group(lambda v: {"where": {"last": v}}), 1, 4_096),
     "moe.0.where.first": (in_group(lambda v: {"where": {"first": v}}), 1, 4_096),
     "moe.0.where.stage_last": (in_group(lambda v: {"where": {"stage_last": v}}), 1, 4_096),
+    "moe.0.where.stage_every": (in_group(lambda v: {"where": {"stage_every": v}}), 1, 4_096),
     "moe.0.where.blocks.0": (in_group(lambda v: {"where": {"blocks": [v]}}), -4_096, 4_095),
     "moe.0.where.stages (a stage)": (in_group(lambda v: {"where": {"stages": {v: [0]}}}), -4_096, 4_095),
     "moe.0.where.stages.0.0": (in_group(lambda v: {"where": {"stages": {0: [v]}}}), -4_096, 4_095),

@@ -130,6 +130,29 @@ def test_convnext_stage_last_2(tmp_path):
     assert [layer.block for layer in plan.layers] == [14, 17]
 
 
+def test_convnext_stage_every_counts_within_each_stage(tmp_path):
+    """The sweet-spot study's ConvNeXt-T "Every 2": every second block of each stage (3, 3, 9, 3 blocks), 7
+    layers; `{every: 2}` counts across stages and picks 9."""
+    assert paths(tmp_path, CONVNEXT, "{stage_every: 2}") == [
+        "stages.0.blocks.1.mlp", "stages.1.blocks.1.mlp", "stages.2.blocks.1.mlp", "stages.2.blocks.3.mlp",
+        "stages.2.blocks.5.mlp", "stages.2.blocks.7.mlp", "stages.3.blocks.1.mlp",
+    ]
+    assert paths(tmp_path, CONVNEXT, "{stage_every: 3}") == [
+        "stages.0.blocks.2.mlp", "stages.1.blocks.2.mlp", "stages.2.blocks.2.mlp", "stages.2.blocks.5.mlp",
+        "stages.2.blocks.8.mlp", "stages.3.blocks.2.mlp",
+    ]
+    assert len(paths(tmp_path, CONVNEXT, "{every: 2}")) == 9
+
+
+def test_stage_every_on_one_stage_is_every(tmp_path):
+    assert paths(tmp_path, VIT, "{stage_every: 2}") == paths(tmp_path, VIT, "{every: 2}")
+
+
+def test_stage_every_longer_than_every_stage_matches_nothing(tmp_path):
+    path, problem = plan_problem(tmp_path, group_spec(CONVNEXT, "{stage_every: 10}"))
+    assert "matches no block" in problem.message and "stage" in problem.message
+
+
 def test_convnext_stage_last_all(tmp_path):
     assert paths(tmp_path, CONVNEXT, "{stage_last: all}") == [
         "stages.0.blocks.2.mlp", "stages.1.blocks.2.mlp", "stages.2.blocks.8.mlp", "stages.3.blocks.2.mlp",
