@@ -51,7 +51,8 @@ def _create(backbone: Backbone, device: torch.device, pretrained: bool) -> nn.Mo
             # SkipMetaWrites: timm's initialization of the parameters that are on the meta device (all of them on
             # device="meta", all in `create_weightless_backbone`) costs nothing
             with device, _override_builder_kwargs(backbone.model, overrides), SkipMetaWrites(), module_budget():
-                return timm.create_model(backbone.model, pretrained=pretrained, **kwargs).eval()
+                model = timm.create_model(backbone.model, pretrained=pretrained, **kwargs).eval()
+            break
         except TooManyModules as err:
             raise SpecError(Problem(
                 f"{backbone.model} with these kwargs has more than {err.args[0]:,} modules (the largest timm "
@@ -70,6 +71,32 @@ def _create(backbone: Backbone, device: torch.device, pretrained: bool) -> nn.Mo
                 raise
             raise SpecError(Problem(f"timm could not build {backbone.model!r} with these kwargs: "
                                     f"{type(err).__name__}: {_one_line(err)}", path="backbone.kwargs")) from None
+    return _take_padded_inputs(model)
+
+
+def _take_padded_inputs(model: nn.Module) -> nn.Module:
+    """Let a patch embedding with timm's `dynamic_img_pad` take every input that pads to its patch grid.
+
+    `dynamic_img_pad` pads an input up to a multiple of the patch size, but timm's `PatchEmbed` still asks for
+    exactly `img_size` unless `dynamic_img_size` is set too (`strict_img_size`). So DINOv2-S/14 (img_size 518 =
+    37 x 14) refused the 512 px input of seed 003's ADE20K runs, which pads to the same 37 x 37 patches and fits
+    its pretrained position table as it is. Any other size is still refused, by the position table. With an
+    `img_size` that is not a multiple of the patch, timm makes a table for the floor of the grid (36 x 36 at 512)
+    that no padded input fits: refused here, with what to write instead."""
+    embed = getattr(model, "patch_embed", None)
+    if not getattr(embed, "dynamic_img_pad", False) or not getattr(embed, "strict_img_size", False):
+        return model
+    size, patch = tuple(embed.img_size), tuple(embed.patch_size)
+    if any(s % p for s, p in zip(size, patch, strict=True)):
+        grid = [s // p for s, p in zip(size, patch, strict=True)]
+        padded_grid = [-(-s // p) for s, p in zip(size, patch, strict=True)]
+        raise SpecError(Problem(
+            f"img_size {list(size)} with dynamic_img_pad: timm makes a position table for {grid} patches of "
+            f"{list(patch)}, but pads inputs of that size to {padded_grid}; give img_size "
+            f"{[g * p for g, p in zip(padded_grid, patch, strict=True)]} "
+            f"(inputs that pad to it are taken) or add dynamic_img_size: true", path="backbone.kwargs"))
+    embed.strict_img_size = False
+    return model
 
 
 def _pretrained_problem(backbone: Backbone, error: Exception) -> Problem:

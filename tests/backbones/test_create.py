@@ -7,11 +7,13 @@ import os
 import sys
 
 import pytest
+import torch
 
+import moespec
 from moespec import SpecError, load_spec
 from moespec.backbones import create_backbone, placement
 
-from ..conftest import TINY_SPEC_YAML, TINY_VIT, measured_run, write
+from ..conftest import TINY_SPEC_YAML, TINY_VIT, make_spec, measured_run, write
 
 NO_PRETRAINED = "backbone: {model: vit_small_patch16_224, pretrained: true}\nmoe: [{where: {last: 1}, experts: 2}]\n"
 
@@ -88,3 +90,44 @@ def test_a_deep_backbone_within_the_block_count_is_stopped_by_the_module_budget(
     assert (code, stdout) == (2, ""), stderr
     assert "backbone.kwargs: vit_small_patch16_224 with these kwargs has more than 10,000 modules" in stderr
     assert peak_kb < 2_000_000, peak_kb
+
+
+# A small DINOv2 (patch 14): img_size 70 = 5 x 14, as DINOv2's 518 = 37 x 14; a 64 px input pads to 5 x 5 patches,
+# as seed 003's 512 px ADE20K input pads to 37 x 37.
+TINY_DINOV2 = {"model": "vit_small_patch14_dinov2",
+               "kwargs": {"depth": 2, "embed_dim": 64, "num_heads": 2, "img_size": 70, "num_classes": 10,
+                          "dynamic_img_pad": True}}
+
+
+def _dinov2_spec(kwargs: dict | None = None, side: int = 64):
+    backbone = {**TINY_DINOV2, "kwargs": {**TINY_DINOV2["kwargs"], **(kwargs or {})}}
+    return make_spec(backbone, [{"where": {"last": 1}, "experts": 2}], input_size=[3, side, side])
+
+
+def test_dynamic_img_pad_takes_an_input_that_pads_to_the_patch_grid():
+    """timm pads a 64 px input to 70 under dynamic_img_pad, but its patch embedding asked for exactly 70 px
+    (`strict_img_size`): `validate` refused it ("Input height (64) doesn't match model (70)")."""
+    spec = _dinov2_spec()
+    moespec.plan(spec)  # validates: the plan checks the input size on the dense model
+    model = moespec.create_model(spec)
+    assert model.forward_features(torch.randn(2, 3, 64, 64)).shape == (2, 1 + 5 * 5, 64)  # [CLS] + 5 x 5 patches
+    assert model(torch.randn(2, 3, 70, 70)).shape == (2, 10)
+    s = moespec.stats(spec)
+    assert s.dense_params == sum(p.numel() for p in create_backbone(spec).parameters())
+    # a padded 64 px input costs what a 70 px one does: the same 26 tokens
+    assert s.dense_gmacs == moespec.stats(_dinov2_spec(side=70)).dense_gmacs
+
+
+def test_dynamic_img_pad_still_refuses_an_input_of_another_grid():
+    with pytest.raises(SpecError, match="cannot take input size"):
+        moespec.plan(_dinov2_spec(side=84))  # pads to 6 x 6 patches; the position table has 5 x 5
+
+
+def test_dynamic_img_pad_with_an_img_size_off_the_patch_grid_says_what_to_write():
+    """timm builds img_size 64 with a 4 x 4 position table but pads 64 px inputs to 5 x 5 patches: it failed in
+    the forward with a tensor-size mismatch."""
+    with pytest.raises(SpecError) as info:
+        create_backbone(_dinov2_spec({"img_size": 64}))
+    (problem,) = info.value.problems
+    assert problem.path == "backbone.kwargs" and "img_size [70, 70]" in problem.message
+    assert "dynamic_img_size: true" in problem.message and len(problem.message) < 300

@@ -7,6 +7,7 @@ import torch
 from timm.models import register_model
 from torch import nn
 
+import moespec
 from moespec.backbones import create_backbone, create_weightless_backbone
 from moespec.counting import count_macs, count_params
 
@@ -62,3 +63,19 @@ def test_buffers_are_real_and_tied_weights_stay_tied(mask_on_weight_device):
     buffers = zip(real.buffers(), light.buffers(), strict=True)
     assert all(torch.equal(a, b) and b.device.type == "cpu" for a, b in buffers)
     assert count_macs(light, (1, 4, 4)) == count_macs(real, (1, 4, 4))
+
+
+TINY_SWINV2 = {"model": "swinv2_tiny_window8_256",
+               "kwargs": {"depths": (1, 1, 2, 1), "embed_dim": 24, "num_heads": (1, 2, 2, 4), "img_size": 64,
+                          "window_size": 4, "num_classes": 10}}
+
+
+def test_swinv2_with_kwargs_counts():
+    """SwinV2 copies a tensor made on a parameter's device into a buffer while it is built, so it cannot be built
+    with its parameters on the meta device. With kwargs in the spec, that failure was a spec error ("Cannot copy
+    out of meta tensor; no data!") and `moespec stats` refused every SwinV2 spec with kwargs; it is built for
+    real instead, like SwinV2 without kwargs."""
+    spec = make_spec(TINY_SWINV2, [{"where": {"stage_last": 2}, "experts": 2}])
+    real, light = create_backbone(spec), create_weightless_backbone(spec)
+    assert count_params(light) == count_params(real) and _no_storage(light)
+    assert moespec.stats(spec).dense_params == count_params(real)

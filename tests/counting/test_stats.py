@@ -71,6 +71,27 @@ def test_convnext_t_moe8_every2_params_against_a_hand_calculation_and_the_paper(
     assert abs(s.total_params / 97.5e6 - 1) < 0.01  # the paper's 97.5M, within 1%
 
 
+@pytest.mark.slow  # DINOv2-S/14 built once and traced four times: about 30 s
+def test_dinov2_s14_at_512_px_with_dynamic_img_pad():
+    """Seed 003 (ViMoE), Tables 2 and 4: DINOv2-S/14 on ADE20K at 512 px, which timm's dynamic_img_pad pads to
+    518 = 37 x 14, the grid of DINOv2's own position table (img_size 518)."""
+    spec = moespec.load_spec({"backbone": {"model": "vit_small_patch14_dinov2",
+                                           "kwargs": {"num_classes": 150, "dynamic_img_pad": True}},
+                              "input_size": [3, 512, 512],
+                              "moe": [{"where": {"last": 2}, "experts": 8, "router": {"top_k": 1}}]})
+    dim, hidden = 384, 1536
+    mlp = 2 * dim * hidden + hidden + dim
+    block = 2 * 2 * dim + (dim * 3 * dim + 3 * dim) + (dim * dim + dim) + mlp + 2 * dim  # + 2 LayerScales
+    tokens = 1 + 37 * 37
+    dense = (3 * 14 * 14 * dim + dim) + dim + tokens * dim + 12 * block + 2 * dim + (dim * 150 + 150)
+    s = moespec.stats(spec)
+    assert s.dense_params == dense == 22_113_942
+    assert s.total_params == dense + 2 * (7 * mlp + dim * 8) == 38_662_038
+    assert s.total_params == sum(p.numel() for p in moespec.create_model(spec).parameters())
+    at_518 = moespec.stats(spec.model_copy(update={"input_size": (3, 518, 518)}))
+    assert s.gmacs == at_518.gmacs  # the padded input is the 518 px one
+
+
 @pytest.mark.slow  # two real-size shipped specs traced: CI runs it
 def test_dense_specs_count_the_backbone():
     for name in ("vit_s16_dense.yaml", "convnext_t_dense.yaml"):
