@@ -369,6 +369,8 @@ def inspect_command(
         write_report(report, output, force=force, inputs=[images, source, spec])
         out.print(f"wrote {output / 'index.html'} ({len(report.layers)} MoE layers, {sum(report.images_per_class)} "
                   f"images in {len(report.classes)} classes)", markup=False)
+        out.print(f"per image: {report.experts_per_image:.1f} experts (distinct, summed over the layers), "
+                  f"{report.activated_params_per_image / 1e6:.2f}M parameters", markup=False)
 
     _run(body)
 

@@ -82,6 +82,8 @@ def _html(report: RoutingReport, summary: dict[str, Any]) -> str:
         f"{e(json.dumps(report.data_config))}</td></tr>",
         f"<tr><th>images</th><td>{sum(report.images_per_class)} in {len(report.classes)} classes: {counts}</td></tr>",
     ]
+    parts.append(f"<tr><th>per image</th><td>{report.experts_per_image:.1f} experts (distinct, summed over the "
+                 f"layers), {report.activated_params_per_image / 1e6:.2f}M parameters</td></tr>")
     if report.skipped:
         parts.append(f"<tr><th>skipped</th><td>{len(report.skipped)} unreadable file(s)</td></tr>")
     parts += ["</table>",
@@ -94,7 +96,7 @@ def _html(report: RoutingReport, summary: dict[str, Any]) -> str:
         figures = record["figures"]
         parts += [f"<h2>{e(layer.path)}</h2>",
                   f"<p>{e(layer.router_name)}, {layer.experts} experts, {layer.items} {e(layer.unit)}s routed, "
-                  f"{layer.drop_fraction:.2%} dropped</p>",
+                  f"{layer.drop_fraction:.2%} dropped, {layer.experts_per_image:.2f} distinct experts per image</p>",
                   "<div class='row'>",
                   f"<img src='{e(figures['heatmap'])}' alt='routing heatmap of {e(layer.path)}'>",
                   f"<img src='{e(figures['load'])}' alt='expert load of {e(layer.path)}'>",

@@ -15,6 +15,12 @@ counts for each image:
   (images of c sent to e) / (images of c) and a row sums to k;
 - Soft MoE: the combine weight mass of e's slots: how much of the class's token outputs comes from e; a row
   sums to 1.
+
+Per image, as ViMoE's Table 5 reports token routing (seed 003: 14.3 experts and 38.9M parameters per image):
+the distinct experts of each layer that an image's items reached (those with a non-zero tally: at most E, k
+for image routing, every expert for Soft MoE), averaged over the images, and the parameters those experts and
+everything outside the routed experts hold (`activated_params_per_image`). The stats' activated parameters
+count `k` experts per token; an image's tokens together reach more.
 """
 
 from __future__ import annotations
@@ -131,6 +137,8 @@ class LayerRouting:
     load_share: list[float]
     drop_fraction: float  # items that no expert took
     items: int  # items routed (tokens, or images for image routing)
+    experts_per_image: float  # distinct experts an image's items reached, averaged over the images
+    params_per_expert: int  # one routed expert's parameters
 
 
 @dataclass(frozen=True)
@@ -144,6 +152,8 @@ class RoutingReport:
     classes: list[str]
     images_per_class: list[int]
     layers: list[LayerRouting]
+    experts_per_image: float  # the layers' distinct experts per image, summed over the layers
+    activated_params_per_image: float  # everything outside the routed experts + the experts an image reached
     skipped: list[str] = field(default_factory=list)  # unreadable files, "path: reason"
     empty_classes: list[str] = field(default_factory=list)
 
@@ -159,6 +169,7 @@ class _Tally:
         self.tokens = torch.zeros(classes, dtype=torch.float64)
         self.images = 0
         self.dropped = 0.0  # tokens no expert took
+        self.experts_reached = 0.0  # distinct experts per image, summed over the images
 
     def add(self, layer: nn.Module, labels: torch.Tensor, tally: Callable) -> None:
         """Count the last forward of `layer` on images of classes `labels` [B], as its router kind's `tally`."""
@@ -166,6 +177,7 @@ class _Tally:
         mass, dropped = tally(layer)  # [B, E], items no expert took
         self.assigned.index_add_(0, labels, mass)
         self.dropped += dropped
+        self.experts_reached += float((mass > 0).sum())
         self.tokens.index_add_(0, labels, torch.full(labels.shape, float(per_image), dtype=torch.float64))
         self.images += len(labels)
 
@@ -182,6 +194,8 @@ class _Tally:
             load_share=(load / load.sum().clamp(min=1e-12)).tolist(),
             drop_fraction=self.dropped / float(self.tokens.sum()),
             items=self.images if unit == "image" else int(self.tokens.sum()),
+            experts_per_image=self.experts_reached / max(self.images, 1),
+            params_per_expert=sum(p[0].numel() for p in layer.experts.parameters()),  # [E, ...] stacks, this rank's
         )
 
 
@@ -229,11 +243,16 @@ def inspect_routing(model: nn.Module, folder: ImageFolder, *, batch_size: int = 
     if not any(images_per_class):
         first = f"; first: {skipped[0]}" if skipped else ""
         raise MoespecError(f"{folder.root}: no readable images ({len(skipped)} file(s) could not be read{first})")
+    results = [tallies[path].result(path, layer, routers[path]) for path, layer in layers.items()]
+    routed = {id(p) for layer in layers.values() for p in layer.experts.parameters()}
+    outside = sum(p.numel() for p in model.parameters() if id(p) not in routed)
     return RoutingReport(
         source=source, model=plan.name, input_size=tuple(plan.input_size),
         data_config={k: list(v) if isinstance(v, tuple) else v for k, v in config.items()},
-        classes=list(folder.classes), images_per_class=images_per_class,
-        layers=[tallies[path].result(path, layer, routers[path]) for path, layer in layers.items()],
+        classes=list(folder.classes), images_per_class=images_per_class, layers=results,
+        experts_per_image=sum(layer.experts_per_image for layer in results),
+        activated_params_per_image=outside + sum(layer.experts_per_image * layer.params_per_expert
+                                                 for layer in results),
         skipped=skipped, empty_classes=list(folder.empty_classes))
 
 
@@ -241,10 +260,10 @@ def _sum_over_ranks(tallies, images_per_class: list[int], skipped: list[str], gr
                     ) -> tuple[list[int], list[str]]:
     """Sum the tallies and class counts over the ranks (in place / returned) and gather the skipped files."""
     for tally in tallies:
-        numbers = torch.tensor([tally.images, tally.dropped], dtype=torch.float64)
+        numbers = torch.tensor([tally.images, tally.dropped, tally.experts_reached], dtype=torch.float64)
         for tensor in (tally.assigned, tally.tokens, numbers):
             dist.all_reduce(tensor, group=group)
-        tally.images, tally.dropped = int(numbers[0]), float(numbers[1])
+        tally.images, tally.dropped, tally.experts_reached = int(numbers[0]), float(numbers[1]), float(numbers[2])
     counts = torch.tensor(images_per_class, dtype=torch.long)
     dist.all_reduce(counts, group=group)
     everyone: list[list[str]] = [[] for _ in range(dist.get_world_size(group))]

@@ -114,18 +114,21 @@ def test_shares_are_consistent_for_every_router_kind(report):
         assert sorted(layer.class_order) == [0, 1, 2]
 
 
-def test_shares_match_routing_each_image_alone(workspace, report):
-    """Batching must not change the class attribution: route each image alone and count by hand."""
+def test_shares_and_experts_per_image_match_routing_each_image_alone(workspace, report):
+    """Batching must not change the class attribution: route each image alone and count by hand. The same for
+    seed 003's Table 5 figure: the distinct experts an image's tokens reach, averaged over the images."""
     result, model = report
     _, transform = data_transform(model)
     folder = find_images(workspace / "images")
     counts = {path: torch.zeros(3, model.get_submodule(path).num_experts, dtype=torch.float64)
               for path in ("blocks.0.mlp", "blocks.1.mlp", "blocks.2.mlp")}
+    reached = []  # distinct experts of the top-2 layer per image
     for path, label in folder.files:
         if path.name == "broken.png":
             continue
         with torch.no_grad():
             model(transform(Image.open(path).convert("RGB")).unsqueeze(0))
+        reached.append(int((model.get_submodule("blocks.0.mlp").last_routing.counts > 0).sum()))
         for name, total in counts.items():
             layer = model.get_submodule(name)
             if name == "blocks.2.mlp":
@@ -136,6 +139,42 @@ def test_shares_match_routing_each_image_alone(workspace, report):
     for name, total in counts.items():
         expected = total / (17 * torch.tensor([4.0, 4.0, 4.0], dtype=torch.float64)).unsqueeze(1)
         torch.testing.assert_close(torch.tensor(by_path[name].share, dtype=torch.float64), expected)
+    assert by_path["blocks.0.mlp"].experts_per_image == pytest.approx(sum(reached) / 12)
+    assert 2 <= by_path["blocks.0.mlp"].experts_per_image <= 4  # top-2 of 4 experts, 17 tokens
+    assert by_path["blocks.1.mlp"].experts_per_image == 1  # image routing: k = 1
+    assert by_path["blocks.2.mlp"].experts_per_image == 4  # Soft MoE: every expert
+    assert 1 <= by_path["blocks.3.mlp"].experts_per_image <= 4
+    assert result.experts_per_image == pytest.approx(sum(layer.experts_per_image for layer in result.layers))
+
+
+def test_activated_parameters_per_image_by_hand(tmp_path):
+    """A tiny ViT whose one MoE layer's router sees the same vector for every token (its block's norm2 has
+    weight 0, bias 1), with logits 0.1 * 384 * e: every token of every image picks expert 3 (top-1), or 3 and 2
+    (top-2). One expert (fc1 + fc2 of ViT-S, hidden 1536) holds 2 * 384 * 1536 + 1536 + 384 = 1,181,568
+    parameters."""
+    for name in ("a", "b"):
+        (tmp_path / "images" / name).mkdir(parents=True)
+        for i in range(2):
+            Image.fromarray(np.full((32, 32, 3), 60 * i + (100 if name == "a" else 0), np.uint8)).save(
+                tmp_path / "images" / name / f"{i}.png")
+    expert = 2 * 384 * 1536 + 1536 + 384
+    for top_k in (1, 2):
+        spec = moespec.load_spec({"backbone": {"model": "vit_small_patch16_224",
+                                               "kwargs": {"depth": 2, "img_size": 32, "num_classes": 3}},
+                                  "input_size": [3, 32, 32],
+                                  "moe": [{"where": {"blocks": [1]}, "experts": 4, "top_k": top_k}]})
+        model = moespec.create_model(spec).eval()
+        with torch.no_grad():
+            model.blocks[1].norm2.weight.zero_()
+            model.blocks[1].norm2.bias.fill_(1.0)
+            model.blocks[1].mlp.router.gate.weight.copy_(0.1 * torch.arange(4.0).unsqueeze(1).expand(4, 384))
+        result = inspect_routing(model, find_images(tmp_path / "images"), batch_size=3)
+        (layer,) = result.layers
+        assert layer.params_per_expert == expert == 1_181_568
+        assert layer.experts_per_image == result.experts_per_image == top_k
+        total = sum(p.numel() for p in model.parameters())
+        assert result.activated_params_per_image == total - 4 * expert + top_k * expert
+        assert layer.share == [[0.0] * (4 - top_k) + [1.0] * top_k] * 2
 
 
 def test_class_order_groups_classes_by_their_top_expert():
@@ -234,10 +273,13 @@ def test_inspect_command_end_to_end(workspace):
             "--limit", "3", "--batch-size", "4"]
     run = subprocess.run(argv, cwd=workspace, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
-    assert run.stdout == "wrote report/index.html (4 MoE layers, 9 images in 3 classes)\n"
+    wrote, per_image = run.stdout.splitlines()
+    assert wrote == "wrote report/index.html (4 MoE layers, 9 images in 3 classes)"
     assert run.stderr == ""  # --limit 3 leaves broken.png out; piped: no progress bar
     summary = json.loads((workspace / "report" / "summary.json").read_text())
     assert summary["images_per_class"] == [3, 3, 3] and summary["source"] == "spec.yaml"
+    assert per_image == (f"per image: {summary['experts_per_image']:.1f} experts (distinct, summed over the layers), "
+                         f"{summary['activated_params_per_image'] / 1e6:.2f}M parameters")
     again = _cli("inspect", workspace / "spec.yaml", "--images", workspace / "images", "-o", workspace / "report")
     assert again.exit_code == 2 and again.stdout == ""
     assert again.stderr == (f"moespec: error: {workspace / 'report'} already exists and is not empty; pass --force "
