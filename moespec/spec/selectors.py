@@ -69,21 +69,6 @@ class Every(Selector):
         return [i for i in range(len(layout.blocks)) if (i + 1) % self.every == 0]
 
 
-@register_selector("stage_every")
-class StageEvery(Selector):
-    """Every N-th block of each stage, counted from the stage's first block: blocks j of a stage with
-    (j + 1) % N == 0. The sweet-spot study's "Every 2" on ConvNeXt-T (stages of 3, 3, 9, 3 blocks): 1, 1,
-    1 3 5 7, 1, 7 layers; `{every: 2}` counts across the stages (9 layers). On a single-stage model the two
-    agree."""
-
-    FORM: ClassVar[str] = "{stage_every: N}"
-
-    stage_every: BlockCount
-
-    def resolve(self, layout: BlockLayout) -> list[int]:
-        return [block for stage in layout.stages for j, block in enumerate(stage) if (j + 1) % self.stage_every == 0]
-
-
 @register_selector("last")
 class Last(Selector):
     """The last N blocks."""
@@ -161,6 +146,21 @@ class Stages(Selector):
             stage = layout.stages[_check_index(stage_index, len(layout.stages), "stage")]
             picked += [stage[_check_index(i, len(stage), f"stage {stage_index} block")] for i in block_indices]
         return picked
+
+
+@register_selector("stage_every")
+class StageEvery(Selector):
+    """Every N-th block of each stage, counted from the stage's first block: blocks j of a stage with
+    (j + 1) % N == 0. The sweet-spot study's "Every 2" on ConvNeXt-T (stages of 3, 3, 9, 3 blocks): 1, 1,
+    1 3 5 7, 1, 7 layers; `{every: 2}` counts across the stages (9 layers). On a single-stage model the two
+    agree."""
+
+    FORM: ClassVar[str] = "{stage_every: N}"
+
+    stage_every: BlockCount
+
+    def resolve(self, layout: BlockLayout) -> list[int]:
+        return [block for stage in layout.stages for j, block in enumerate(stage) if (j + 1) % self.stage_every == 0]
 
 
 def _selector_tag(value: Any) -> str | None:

@@ -303,7 +303,7 @@ def test_unknown_selector_key_lists_the_forms(tmp_path):
     problem = info.value.problems[0]
     assert_where_problem(path, problem, text)
     for form in ("{every: N}", "{last: N}", "{first: N}", "{blocks: [i, ...]}", "{stage_last: N | all}",
-                 "{stages: {stage: [i, ...]}}"):
+                 "{stages: {stage: [i, ...]}}", "{stage_every: N}"):
         assert form in problem.message
     assert problem.message.endswith("did you mean 'every'?")
 
