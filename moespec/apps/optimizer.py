@@ -41,19 +41,21 @@ def optimizer_groups(model: nn.Module, weight_decay: float, expert_weight_decay:
     # a compiled model's no_weight_decay() names the experts' stacked vectors too (`compiler/model.py`)
     no_decay = set(getattr(model, "no_weight_decay", set)())
     experts = {id(p) for layer in moe_layers(model).values() for p in layer.experts.parameters()}
+    # timm puts everything in one undecayed group at weight_decay 0: ask for the decayed groups all the same
+    decay = weight_decay if weight_decay or not expert_weight_decay else expert_weight_decay
     if layer_decay is None:
-        groups = param_groups_weight_decay(model, weight_decay, no_weight_decay_list=no_decay)
+        groups = param_groups_weight_decay(model, decay, no_weight_decay_list=no_decay)
     else:
-        groups = param_groups_layer_decay(model, weight_decay, no_weight_decay_list=no_decay, layer_decay=layer_decay)
+        groups = param_groups_layer_decay(model, decay, no_weight_decay_list=no_decay, layer_decay=layer_decay)
     if expert_weight_decay is None:
         return groups
     split = []
     for group in groups:
-        routed = [p for p in group["params"] if id(p) in experts]
-        if not routed or not group["weight_decay"]:
+        if not group["weight_decay"]:
             split.append(group)
             continue
         rest = [p for p in group["params"] if id(p) not in experts]
-        split += [{**group, "params": rest}] if rest else []
-        split.append({**group, "params": routed, "weight_decay": expert_weight_decay})
+        routed = [p for p in group["params"] if id(p) in experts]
+        split += [{**group, "params": rest, "weight_decay": weight_decay}] if rest else []
+        split += [{**group, "params": routed, "weight_decay": expert_weight_decay}] if routed else []
     return split

@@ -54,6 +54,17 @@ def test_routed_expert_weights_get_their_own_decay_and_nothing_else_changes():
     torch.optim.AdamW(moespec.optimizer_groups(model, 0.05, expert_weight_decay=0.2), lr=1e-3)  # torch takes them
 
 
+def test_experts_decay_when_nothing_else_does():
+    """timm puts every parameter in one group at weight_decay 0; the experts' weights still decay."""
+    model = moespec.create_model(make_spec(TINY_VIT, MOE))
+    for layer_decay in (None, 0.75):
+        decay = _decay_of(model, moespec.optimizer_groups(model, 0.0, expert_weight_decay=0.1,
+                                                          layer_decay=layer_decay))
+        assert {name for name, value in decay.items() if value} == {"blocks.1.mlp.experts.fc1.weight",
+                                                                    "blocks.1.mlp.experts.fc2.weight"}
+        assert decay["blocks.1.mlp.experts.fc1.weight"] == 0.1
+
+
 def test_layer_decay_keeps_each_layers_lr_scale_for_its_experts():
     model = moespec.create_model(make_spec(TINY_VIT, MOE))
     groups = moespec.optimizer_groups(model, 0.05, expert_weight_decay=0.0, layer_decay=0.5)
