@@ -177,6 +177,29 @@ def test_activated_parameters_per_image_by_hand(tmp_path):
         assert layer.share == [[0.0] * (4 - top_k) + [1.0] * top_k] * 2
 
 
+@pytest.mark.slow  # DINOv2-S/14 built and run at 224 px: about 10 s
+def test_activated_parameters_per_image_follow_vimoe_table_5(tmp_path):
+    """ViMoE (seed 003), Table 5: token routing in DINOv2-S/14 with (N, L) = (8, 2) and a shared expert reaches
+    14.3 experts and 38.9M parameters per image. Outside the routed experts: the dense model (its FFN replaced
+    by the shared expert of the same size) and two routers, 22,013,800 + 2 * 384 * 8 = 22,019,944; one expert,
+    2 * 384 * 1536 + 1536 + 384 = 1,181,568. So 22,019,944 + 14.3 * 1,181,568 = 38.92M, the paper's figure."""
+    outside, expert = 22_013_800 + 2 * 384 * 8, 2 * 384 * 1536 + 1536 + 384
+    assert round((outside + 14.3 * expert) / 1e6, 1) == 38.9
+    (tmp_path / "images" / "a").mkdir(parents=True)
+    for i in range(2):
+        Image.fromarray(np.random.default_rng(i).integers(0, 255, (224, 224, 3), np.uint8)).save(
+            tmp_path / "images" / "a" / f"{i}.png")
+    spec = moespec.load_spec({"backbone": {"model": "vit_small_patch14_dinov2",
+                                           "kwargs": {"img_size": 224, "num_classes": 1000}},
+                              "input_size": [3, 224, 224],
+                              "moe": [{"where": {"last": 2}, "experts": 8, "shared_experts": 1,
+                                       "router": {"kind": "topk", "top_k": 1}}]})
+    result = inspect_routing(moespec.create_model(spec), find_images(tmp_path / "images"))
+    assert [layer.params_per_expert for layer in result.layers] == [expert] * 2
+    assert 2 <= result.experts_per_image <= 16
+    assert result.activated_params_per_image == pytest.approx(outside + result.experts_per_image * expert)
+
+
 def test_class_order_groups_classes_by_their_top_expert():
     share = [[0.1, 0.9, 0.0], [0.8, 0.2, 0.0], [0.0, 0.3, 0.7], [0.6, 0.4, 0.0], [0.2, 0.5, 0.3]]
     # top experts: 1, 0, 2, 0, 1 -> expert 0: classes 1 (0.8), 3 (0.6); expert 1: 0 (0.9), 4 (0.5); expert 2: 2
