@@ -20,6 +20,9 @@ if TYPE_CHECKING:  # torch and the layers are imported where used (see routers/_
     from ..layers import Experts, MoE
 
 DEFAULT_GATE_DIM, DEFAULT_TEMPERATURE = 16, 0.07  # cosine / l2 gates (X-MoE, Chi et al. 2022)
+LEARNABLE_TEMPERATURE_INIT = 0.5
+"""`temperature: learnable` starts here: Swin-MoE's (Hwang et al. 2023) through Tutel's `CosineTopKGate(init_t=0.5)`
+(microsoft/tutel, `tutel/gates/cosine_top.py`), whose clamp keeps it at 0.01 or more (`layers.routers`)."""
 MAX_GROUP_IMAGES = 1_048_576
 """Images per routing group (2**20): more than any batch; V-MoE groups a device's batch (Riquelme et al. 2021)."""
 MAX_GATE_DIM = 65_536
@@ -44,8 +47,9 @@ class Gate(SpecModel):
     kind: Literal["linear", "cosine", "l2"] = "linear"
     dim: Optional[IntRange(1, MAX_GATE_DIM)] = None
     """Projection width of cosine / l2 gates; default 16 (X-MoE)."""
-    temperature: Optional[FloatRange(*TEMPERATURES)] = None
-    """Divides cosine / l2 logits; default 0.07."""
+    temperature: Optional[Union[FloatRange(*TEMPERATURES), Literal["learnable"]]] = None
+    """Divides cosine / l2 logits; default 0.07. `learnable`: a learned temperature, as in Swin-MoE (Hwang et al.
+    2023, Tutel's cosine gate): it starts at 0.5 and never falls below 0.01."""
 
     @model_validator(mode="after")
     def _projection_only_for_cosine_l2(self) -> "Gate":
@@ -90,13 +94,16 @@ def build_gate(gate: Gate, dim: int, num_experts: int) -> nn.Module:
 
     if gate.kind == "linear":
         return LinearGate(dim, num_experts)
-    return ProjectedGate(dim, num_experts, proj_dim=gate.dim or DEFAULT_GATE_DIM,
-                         temperature=gate.temperature or DEFAULT_TEMPERATURE, metric=gate.kind)
+    learnable = gate.temperature == "learnable"
+    temperature = LEARNABLE_TEMPERATURE_INIT if learnable else gate.temperature or DEFAULT_TEMPERATURE
+    return ProjectedGate(dim, num_experts, proj_dim=gate.dim or DEFAULT_GATE_DIM, temperature=temperature,
+                         metric=gate.kind, learnable_temperature=learnable)
 
 
 def describe_gate(kind: str, gate: Gate) -> str:
-    """`topk/linear`, `image/cls/cosine`: the kind and the gate, the start of a plan's router column."""
-    return f"{kind}/{gate.kind}"
+    """`topk/linear`, `image/cls/cosine`, `topk/cosine(t=learnable)`: the kind and the gate, the start of a
+    plan's router column."""
+    return f"{kind}/{gate.kind}" + ("(t=learnable)" if gate.temperature == "learnable" else "")
 
 
 def sparse_moe(router: nn.Module, layer: Any, experts: Experts, shared: Experts | None) -> MoE:
