@@ -27,8 +27,8 @@ from torch import nn
 from ..backbones import create_backbone, create_weightless_backbone
 from ..compiler import compile_model, moe_layers
 from ..errors import SpecError
-from ..planning import INPUT_SIZE_ERRORS, LayerPlan, input_size_problem, plan_for
-from ..spec import Spec
+from ..planning import INPUT_SIZE_ERRORS, LayerPlan, Plan, input_size_problem, plan_for
+from ..spec import FieldError, Spec, spec_problem
 from .budget import refuse_uncountable
 from .flops import MacCount, count_macs
 
@@ -105,6 +105,7 @@ def _count(spec: Spec) -> SpecStats:
     dense_params, dense_macs = count_params(backbone), _macs(spec, backbone, plan.input_size).total
     model = compile_model(backbone, plan, moe_device="meta")  # experts are counted and costed, never run
     macs = _macs(spec, model, plan.input_size)
+    _check_items(spec, plan, macs)
     layers = [_layer_stats(path, moe, plan.layer(path), macs) for path, moe in moe_layers(model).items()]
     total = count_params(model)
     return SpecStats(
@@ -139,6 +140,20 @@ def _layer_stats(path: str, moe: nn.Module, layer: LayerPlan, macs: MacCount) ->
         gmacs=macs.moe_layers[path] / 1e9, activated=layer.router.activated_unit(),
         items=items, executed_gmacs=executed / 1e9 if executed is not None else None,
     )
+
+
+def _check_items(spec: Spec, plan: Plan, macs: MacCount) -> None:
+    """Each router's checks against the items per image that the trace found (Soft MoE's identity routing needs
+    one slot per token): a located spec error, every layer's at once."""
+    problems = []
+    for path, items in macs.moe_items.items():
+        layer = plan.layer(path)
+        try:
+            layer.router.check_items(layer, items // max(macs.moe_images[path], 1))
+        except FieldError as error:
+            problems.append(spec_problem(spec, f"moe.{layer.group}.router.{error.field}", str(error)))
+    if problems:
+        raise SpecError(problems)
 
 
 def _macs(spec: Spec, model: nn.Module, input_size: tuple[int, int, int]) -> MacCount:
