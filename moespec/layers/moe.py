@@ -294,15 +294,15 @@ def update_bias(model: nn.Module, group=None) -> int:
     """
     by_group: dict[object, list[nn.Module]] = {}
     for layer in model.modules():
-        router = getattr(layer, "router", None) if isinstance(layer, MoE) else None
-        if router is not None and getattr(router, "bias_rate", None) is not None:
+        balance = getattr(layer.router, "balance", None) if isinstance(layer, MoE) else None
+        if balance is not None:
             own = group if group is not None else getattr(layer.experts, "routing_group", None)
-            by_group.setdefault(own, []).append(router)
-    for own, routers in by_group.items():  # one collective per group, in module order on every rank
-        loads = all_reduce_sum([router.tokens_per_expert for router in routers], own)
-        for router, load in zip(routers, loads, strict=True):
-            router.step_bias(load)
-    return sum(len(routers) for routers in by_group.values())
+            by_group.setdefault(own, []).append(balance)
+    for own, balances in by_group.items():  # one collective per group, in module order on every rank
+        loads = all_reduce_sum([balance.tokens_per_expert for balance in balances], own)
+        for balance, load in zip(balances, loads, strict=True):
+            balance.step(load)
+    return sum(len(balances) for balances in by_group.values())
 
 
 def update_bias_on_step(model: nn.Module, optimizer: torch.optim.Optimizer, group=None):

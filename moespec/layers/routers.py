@@ -103,6 +103,61 @@ LOG_MAX_LOGIT_SCALE = math.log(1.0 / 0.01)
 """A learnable temperature's clamp: at least 0.01, i.e. a logit scale of at most 100 (Tutel's `clamp_max`)."""
 
 
+class BalancingBias(nn.Module):
+    """DeepSeek-V3's auxiliary-loss-free load balancing (DeepSeek-AI 2024; Wang et al. 2024) of one router: a bias
+    per expert, `expert_bias` [E], added to the scores only to choose the top k in training, and the choices of
+    the training forwards since the last step, `tokens_per_expert` [E]. Both are buffers, not parameters; only
+    the bias is saved in checkpoints. `step` moves the bias once per optimizer step (`moespec.update_bias`)."""
+
+    def __init__(self, num_experts: int, rate: float):
+        super().__init__()
+        self.rate = rate
+        self.register_buffer("expert_bias", torch.zeros(num_experts))
+        self.register_buffer("tokens_per_expert", torch.zeros(num_experts), persistent=False)
+
+    @torch.no_grad()
+    def count(self, experts: torch.Tensor) -> None:
+        """Add the choices `experts` (any shape) to this step's loads."""
+        self.tokens_per_expert += load_counts(experts, self.expert_bias.numel())
+
+    @torch.no_grad()
+    def step(self, load: torch.Tensor) -> None:
+        """`expert_bias += rate * sign(mean load - load_e)` for the loads `load` [E] of one optimizer step (this
+        module's `tokens_per_expert`, summed over the ranks that share the experts), then the count starts
+        again. A step without choices changes nothing."""
+        if load.sum() > 0:
+            self.expert_bias += self.rate * torch.sign(load.mean() - load).to(self.expert_bias.dtype)
+        self.tokens_per_expert.zero_()
+
+    def extra_repr(self) -> str:
+        return f"rate={self.rate:g}"
+
+
+def choose_experts(noisy: torch.Tensor, top_k: int, *, score: str = "softmax", normalize: bool = False,
+                   scale: float = 1.0, balance: BalancingBias | None = None,
+                   expert_groups: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The top-k choice of token choice and image routing, from (noisy) logits [U, E]: the scores (softmax, or
+    sigmoid renormalized over the k chosen, DeepSeek-V3), the choice (on the scores plus `balance`'s bias where
+    given, within the `expert_groups` (G, g) where given), the chosen scores as weights (renormalized with
+    `normalize`, times `scale`). Returns (probs [U, E] for the aux losses, weights [U, k], experts [U, k]);
+    sigmoid scores are normalized over the experts for the aux losses, as DeepSeek-V3's sequence-wise loss does."""
+    sigmoid = score == "sigmoid"
+    scores = noisy.sigmoid() if sigmoid else noisy.softmax(dim=-1)
+    if balance is not None or expert_groups is not None:
+        choice = scores + balance.expert_bias if balance is not None else scores
+        if expert_groups is not None:
+            choice = limit_to_groups(choice, *expert_groups)
+        experts = choice.topk(top_k, dim=-1).indices
+        weights = scores.gather(-1, experts)  # the unbiased scores of the chosen experts
+    else:
+        weights, experts = scores.topk(top_k, dim=-1)
+    if normalize or sigmoid:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    if scale != 1.0:
+        weights = weights * scale
+    return (scores / scores.sum(dim=-1, keepdim=True) if sigmoid else scores), weights, experts
+
+
 class TopKRouter(Router):
     """Token choice top-k (Shazeer et al. 2017), optionally noisy, capacity-limited, BPR, importance drop, with
     DeepSeek-V3's routing options (sigmoid scores, a route scale, group-limited top-k and the aux-loss-free
@@ -122,11 +177,9 @@ class TopKRouter(Router):
         score: `softmax` over the experts, or `sigmoid` of each logit (DeepSeek-V3), whose k kept values are
             always renormalized to sum to 1.
         scale: multiplies the combine weights (DeepSeek-V3's `route_scale`).
-        bias_rate: aux-loss-free load balancing (DeepSeek-V3): a per-expert bias `expert_bias` [E] (a buffer)
-            is added to the scores only to choose the top k in training, the weights staying the unbiased
-            scores; the choices accumulate in `tokens_per_expert` [E] until `update_bias` moves the bias by
-            `bias_rate * sign(mean load - load_e)` (`step_bias`, once per optimizer step: `moespec.update_bias`).
-            None: no bias.
+        bias_rate: aux-loss-free load balancing (DeepSeek-V3) at this rate: `balance`, a `BalancingBias`, whose
+            bias is added to the scores only to choose the top k in training, the weights staying the unbiased
+            scores. None: no bias.
         expert_groups: (G, g), group-limited top-k (DeepSeek-V3's n_group / topk_group): the experts are G
             groups of E / G; each item keeps the g groups with the highest group score (the sum of the group's
             two highest scores, as DeepSeek-V3 and torchtitan do) and picks its top k among their experts.
@@ -144,12 +197,10 @@ class TopKRouter(Router):
         self.gate, self.num_experts, self.top_k = gate, num_experts, top_k
         self.normalize, self.noise_std = normalize, noise_std
         self.capacity_factor, self.bpr, self.drop_fraction = capacity_factor, bpr, drop_fraction
-        self.group, self.score, self.scale, self.bias_rate = group, score, scale, bias_rate
+        self.group, self.score, self.scale = group, score, scale
         self.expert_groups = expert_groups
         self.eval_top_k, self.eval_capacity_factor = eval_top_k, eval_capacity_factor
-        if bias_rate is not None:
-            self.register_buffer("expert_bias", torch.zeros(num_experts))  # saved in checkpoints
-            self.register_buffer("tokens_per_expert", torch.zeros(num_experts), persistent=False)
+        self.balance = BalancingBias(num_experts, bias_rate) if bias_rate is not None else None
 
     def active_top_k(self) -> int:
         """k in the current mode: `eval_top_k` in eval, where one is set."""
@@ -190,27 +241,13 @@ class TopKRouter(Router):
         noisy = logits
         if self.training and self.noise_std > 0:
             noisy = logits + torch.randn_like(logits) * self.noise_std
-        top_k, sigmoid = self.active_top_k(), self.score == "sigmoid"
-        scores = noisy.sigmoid() if sigmoid else noisy.softmax(dim=-1)
-        biased = self.bias_rate is not None and self.training
-        if biased or self.expert_groups is not None:
-            choice = scores + self.expert_bias if biased else scores
-            if self.expert_groups is not None:
-                choice = limit_to_groups(choice, *self.expert_groups)
-            experts = choice.topk(top_k, dim=-1).indices
-            weights = scores.gather(-1, experts)  # the unbiased scores of the chosen experts
-        else:
-            weights, experts = scores.topk(top_k, dim=-1)
-        if self.normalize or sigmoid:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        if self.scale != 1.0:
-            weights = weights * self.scale
-        if biased:
-            self.tokens_per_expert += load_counts(experts, self.num_experts).detach()
-        # The aux losses read probabilities over the experts: sigmoid scores normalized over the experts (as
-        # DeepSeek-V3's sequence-wise balance loss does).
-        probs = scores / scores.sum(dim=-1, keepdim=True) if sigmoid else scores
-        if biased or self.expert_groups is not None:
+        top_k = self.active_top_k()
+        balance = self.balance if self.training else None  # eval ignores the bias
+        probs, weights, experts = choose_experts(noisy, top_k, score=self.score, normalize=self.normalize,
+                                                 scale=self.scale, balance=balance, expert_groups=self.expert_groups)
+        if balance is not None:
+            balance.count(experts)
+        if balance is not None or self.expert_groups is not None:
             load = load_counts(experts, self.num_experts)  # the noise model's smooth load knows no bias or groups
         else:
             load = smooth_load(logits, noisy, top_k, self.noise_std if self.training else 0.0, experts)
@@ -226,22 +263,12 @@ class TopKRouter(Router):
         return Routing(probs, logits, pairs.item, pairs.counts, pairs.weights.to(x.dtype), experts[:, 0], weights[:, 0],
                        load, pairs.kept, pairs.expert, tail=pairs.tail, position=pairs.position)
 
-    @torch.no_grad()
-    def step_bias(self, load: torch.Tensor) -> None:
-        """One step of aux-loss-free balancing (DeepSeek-V3): `expert_bias += rate * sign(mean load - load_e)`
-        for the loads `load` [E] of one optimizer step (`tokens_per_expert`, summed over the ranks that share
-        the experts), then the accumulator is emptied. A step without choices changes nothing."""
-        if load.sum() > 0:
-            self.expert_bias += self.bias_rate * torch.sign(load.mean() - load).to(self.expert_bias.dtype)
-        self.tokens_per_expert.zero_()
-
     def extra_repr(self) -> str:
         extras = [("normalize=True", self.normalize), (f"noise_std={self.noise_std:g}", self.noise_std > 0),
                   (f"capacity_factor={self.capacity_factor}", self.capacity_factor is not None),
                   ("bpr=True", self.bpr), (f"drop_fraction={self.drop_fraction:g}", self.drop_fraction > 0),
                   (f"group={self.group}", self.capacity_factor is not None or self.drop_fraction > 0),
                   (f"score={self.score}", self.score != "softmax"), (f"scale={self.scale:g}", self.scale != 1.0),
-                  (f"bias_rate={self.bias_rate}", self.bias_rate is not None),
                   (f"expert_groups={self.expert_groups}", self.expert_groups is not None),
                   (f"eval_top_k={self.eval_top_k}", self.eval_top_k is not None),
                   (f"eval_capacity_factor={self.eval_capacity_factor}", self.eval_capacity_factor != "training")]
@@ -263,37 +290,50 @@ def limit_to_groups(scores: torch.Tensor, count: int, top: int) -> torch.Tensor:
 class ImageRouter(Router):
     """Image-level routing (ViMoE): the gate reads one vector per image, the [CLS] token (`pool="cls"`,
     the first token of each image's sequence) or the mean token, and picks top-k experts for every token
-    of that image.
+    of that image. `score`, `scale`, `bias_rate`, `expert_groups` and `eval_top_k` are `TopKRouter`'s, per image.
     """
 
-    def __init__(self, gate: nn.Module, num_experts: int, top_k: int, *, normalize: bool = False, pool: str = "cls"):
+    def __init__(self, gate: nn.Module, num_experts: int, top_k: int, *, normalize: bool = False, pool: str = "cls",
+                 score: str = "softmax", scale: float = 1.0, bias_rate: float | None = None,
+                 expert_groups: tuple[int, int] | None = None, eval_top_k: int | None = None):
         super().__init__()
         self.gate, self.num_experts, self.top_k = gate, num_experts, top_k
-        self.normalize, self.pool = normalize, pool
+        self.normalize, self.pool, self.score, self.scale = normalize, pool, score, scale
+        self.expert_groups, self.eval_top_k = expert_groups, eval_top_k
+        self.balance = BalancingBias(num_experts, bias_rate) if bias_rate is not None else None
+
+    def active_top_k(self) -> int:
+        """k in the current mode: `eval_top_k` in eval, where one is set."""
+        return self.top_k if self.training or self.eval_top_k is None else self.eval_top_k
 
     def gate_macs(self, items: int, images: int) -> int:
         return images * self.gate.macs_per_item()  # one decision per image
 
     def experts_per_item(self, items: int, images: int) -> int:
-        return self.top_k  # every token goes where its image goes
+        return self.active_top_k()  # every token goes where its image goes
 
     def forward(self, x: torch.Tensor, images: int = 1) -> Routing:
         per_image = x.reshape(images, items_per_image(x.shape[0], images), x.shape[-1])
         vectors = per_image[:, 0] if self.pool == "cls" else per_image.mean(dim=1)
         logits = at_least_fp32(self.gate(vectors))
-        probs = logits.softmax(dim=-1)
-        weights, experts = probs.topk(self.top_k, dim=-1)
-        if self.normalize:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+        balance = self.balance if self.training else None  # eval ignores the bias
+        probs, weights, experts = choose_experts(logits, self.active_top_k(), score=self.score,
+                                                 normalize=self.normalize, scale=self.scale, balance=balance,
+                                                 expert_groups=self.expert_groups)
+        if balance is not None:
+            balance.count(experts)  # one choice per image: the loads are images
         tokens = per_image.shape[1]
         token_experts = experts.repeat_interleave(tokens, dim=0)
         pairs = group_pairs(token_experts, weights.repeat_interleave(tokens, dim=0), self.num_experts)
         return Routing(probs, logits, pairs.item, pairs.counts, pairs.weights.to(x.dtype), experts[:, 0], weights[:, 0],
                        load_counts(experts, self.num_experts), pairs.kept, pairs.expert, position=pairs.position)
 
-
     def extra_repr(self) -> str:
-        return f"experts={self.num_experts}, top_k={self.top_k}, normalize={self.normalize}, pool={self.pool}"
+        extras = [(f"score={self.score}", self.score != "softmax"), (f"scale={self.scale:g}", self.scale != 1.0),
+                  (f"expert_groups={self.expert_groups}", self.expert_groups is not None),
+                  (f"eval_top_k={self.eval_top_k}", self.eval_top_k is not None)]
+        return ", ".join([f"experts={self.num_experts}, top_k={self.top_k}, normalize={self.normalize}, "
+                          f"pool={self.pool}"] + [text for text, on in extras if on])
 
 
 class ExpertChoiceRouter(Router):

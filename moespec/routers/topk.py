@@ -7,56 +7,29 @@ from typing import Annotated, Any, ClassVar, Literal, Optional, Union
 
 from pydantic import Field, model_validator
 
-from ..spec.fields import FloatRange, IntRange, SpecModel
+from ..spec.fields import FloatRange, IntRange
 from ..spec.models import MAX_EXPERTS, MAX_NOISE_STD
 from ..spec.registry import FieldError, RouterSpec, register_router_kind
 from .gates import (
     MAX_CAPACITY_FACTOR,
+    MAX_ROUTE_SCALE,
     TOKENS,
+    BiasBalance,
+    ExpertGroups,
     Gate,
     GateField,
     RoutingGroup,
     build_gate,
+    check_choice,
+    describe_choice,
     describe_gate,
     describe_group,
+    expert_groups,
     images_per_group,
     sparse_moe,
 )
 
 CapacityFactor = FloatRange(0.0, MAX_CAPACITY_FACTOR, low_open=True)
-MAX_BIAS_RATE = 1.0
-"""`bias_balance.rate`: DeepSeek-V3 uses 0.001 (DeepSeek-AI 2024); softmax and sigmoid scores lie in [0, 1], so a
-rate of 1 already moves a bias across the whole score range in one step."""
-MAX_ROUTE_SCALE = 100.0
-"""`scale`: DeepSeek-V3 uses 2.5 (torchtitan's `route_scale`); 100 x a combine weight of at most 1 is already far
-beyond any published setting."""
-
-
-class BiasBalance(SpecModel):
-    """Auxiliary-loss-free load balancing (DeepSeek-V3, DeepSeek-AI 2024; Wang et al. 2024): a per-expert bias,
-    added to the scores only to choose the top k in training (the combine weights stay the unbiased scores),
-    moves by `rate * sign(mean load - load_e)` once per optimizer step (`moespec.update_bias`). It is a buffer,
-    not a parameter: saved in checkpoints, untouched by the optimizer, unused in eval."""
-
-    rate: FloatRange(0.0, MAX_BIAS_RATE, low_open=True) = 0.001
-    """The bias update speed gamma; DeepSeek-V3: 0.001."""
-
-
-class ExpertGroups(SpecModel):
-    """Group-limited top-k (DeepSeek-V3's n_group / topk_group): the experts are `count` groups of E / count; each
-    item keeps the `top` groups with the highest group score (the sum of its two highest scores) and picks its
-    top k among their experts."""
-
-    count: IntRange(1, MAX_EXPERTS)
-    """G: expert groups; must divide the experts."""
-    top: IntRange(1, MAX_EXPERTS)
-    """g: groups each item may route to, 1 <= g <= G."""
-
-    @model_validator(mode="after")
-    def _top_within_count(self) -> "ExpertGroups":
-        if self.top > self.count:
-            raise FieldError("top", f"top ({self.top}) must be between 1 and count ({self.count})")
-        return self
 
 
 @register_router_kind
@@ -118,48 +91,29 @@ class TopKRouterSpec(RouterSpec):
         return None if self.eval_capacity_factor == "dropless" else self.eval_capacity_factor
 
     def check_experts(self, num_experts: int) -> None:
-        for field, k in (("top_k", self.top_k), ("eval_top_k", self.eval_top_k)):
-            if k is not None and k > num_experts:
-                raise FieldError(field, f"{field} ({k}) must be between 1 and experts ({num_experts})")
-        if self.groups is None:
-            return
-        count, top = self.groups.count, self.groups.top
-        if num_experts % count:
-            raise FieldError("groups", f"groups.count ({count}) must divide experts ({num_experts}) into equal groups")
-        reachable = top * (num_experts // count)
-        for field, k in (("top_k", self.top_k), ("eval_top_k", self.eval_top_k)):
-            if k is not None and k > reachable:
-                raise FieldError(field, f"{field} ({k}) is more than the {reachable} experts of the groups.top "
-                                        f"({top}) groups of {num_experts // count} an item may use; lower {field} or "
-                                        f"raise groups.top")
+        check_choice(self, num_experts)
 
     def build(self, layer: Any, experts: Any, shared: Any) -> Any:
         from ..layers import TopKRouter  # torch: deferred (routers/__init__)
 
         noise = 1.0 / layer.num_experts if self.noise is True else float(self.noise)
-        groups = None if self.groups is None else (self.groups.count, self.groups.top)
         eval_capacity = "training" if self.eval_capacity_factor is None else self.eval_capacity()
         module = TopKRouter(build_gate(self.gate, layer.in_features, layer.num_experts), layer.num_experts,
                             self.top_k, normalize=self.normalize, noise_std=noise,
                             capacity_factor=self.capacity_factor, bpr=self.bpr, drop_fraction=self.drop_fraction,
                             group=images_per_group(self.group), score=self.score, scale=self.scale,
                             bias_rate=self.bias_balance.rate if self.bias_balance is not None else None,
-                            expert_groups=groups, eval_top_k=self.eval_top_k,
+                            expert_groups=expert_groups(self.groups), eval_top_k=self.eval_top_k,
                             eval_capacity_factor=eval_capacity)
         return sparse_moe(module, layer, experts, shared)
 
     def describe(self, layer: Any) -> str:
         capacity = self.capacity_factor is not None or isinstance(self.eval_capacity_factor, float)
-        groups, bias = self.groups, self.bias_balance
-        extras = [("norm", self.normalize and self.score == "softmax"), ("sigmoid", self.score == "sigmoid"),
-                  (f"scale={self.scale:g}", self.scale != 1.0), ("noise", bool(self.noise)), ("bpr", self.bpr),
-                  (f"drop={self.drop_fraction:g}", self.drop_fraction > 0),
-                  (f"cf={self.capacity_factor}", self.capacity_factor is not None),
-                  (f"groups={groups.top}/{groups.count}" if groups else "", groups is not None),
-                  (f"bias-balance={bias.rate:g}" if bias else "", bias is not None),
-                  (f"eval-k={self.eval_top_k}", self.eval_top_k not in (None, self.top_k)),
-                  (f"eval-cf={self.eval_capacity() or 'dropless'}", self.eval_capacity() != self.capacity_factor),
-                  (describe_group(self.group), capacity or self.drop_fraction > 0)]
+        extras = describe_choice(self) + [
+            ("noise", bool(self.noise)), ("bpr", self.bpr), (f"drop={self.drop_fraction:g}", self.drop_fraction > 0),
+            (f"cf={self.capacity_factor}", self.capacity_factor is not None),
+            (f"eval-cf={self.eval_capacity() or 'dropless'}", self.eval_capacity() != self.capacity_factor),
+            (describe_group(self.group), capacity or self.drop_fraction > 0)]
         return " ".join([describe_gate("topk", self.gate)] + [label for label, on in extras if on])
 
     def picks(self) -> int:

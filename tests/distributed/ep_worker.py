@@ -45,8 +45,9 @@ def run_case(name: str, rank: int, world: int) -> dict:
             for layer in moespec.moe_layers(reference).values():
                 layer.router.gate.weight.zero_()
     for layer in moespec.moe_layers(reference).values():  # a balancing bias that changes the choices
-        if getattr(layer.router, "bias_rate", None) is not None:
-            layer.router.expert_bias.copy_(torch.randn(layer.num_experts, generator=torch.Generator().manual_seed(2)))
+        if getattr(layer.router, "balance", None) is not None:
+            bias = torch.randn(layer.num_experts, generator=torch.Generator().manual_seed(2))
+            layer.router.balance.expert_bias.copy_(bias)
     for layer in moespec.moe_layers(reference).values():  # clamp bounds that bite (a fresh bank's are infinite)
         if layer.experts.clamp is not None:
             layer.experts.clamp.copy_(torch.tensor([[-1.0, 1.2, -0.05, 0.04], [-1.5, 0.8, -0.04, 0.05],
@@ -69,14 +70,14 @@ def run_case(name: str, rank: int, world: int) -> dict:
     (F.cross_entropy(out, y[mine]) + aux).backward()
     stats = [layer.routing_stats() for layer in moespec.moe_layers(model).values()]
 
-    biases = {path: layer.router.expert_bias.clone() for path, layer in moespec.moe_layers(reference).items()
-              if getattr(layer.router, "bias_rate", None) is not None}
+    biases = {path: layer.router.balance.expert_bias.clone() for path, layer in moespec.moe_layers(reference).items()
+              if getattr(layer.router, "balance", None) is not None}
     moespec.update_bias(reference)
     moespec.update_bias(model)  # the loads of every rank's slice: the whole batch's
     reference_layers = moespec.moe_layers(reference)
-    bias = max((float((layer.router.expert_bias - reference_layers[path].router.expert_bias).abs().max())
-                for path, layer in moespec.moe_layers(model).items() if path in biases), default=0.0)
-    bias_moved = all(not torch.equal(reference_layers[path].router.expert_bias, before)
+    bias = max((float((layer.router.balance.expert_bias - reference_layers[path].router.balance.expert_bias).abs()
+                      .max()) for path, layer in moespec.moe_layers(model).items() if path in biases), default=0.0)
+    bias_moved = all(not torch.equal(reference_layers[path].router.balance.expert_bias, before)
                      for path, before in biases.items())
 
     ref_params = dict(reference.named_parameters())

@@ -11,7 +11,7 @@ from pydantic import ValidationError
 from torch import nn
 
 import moespec
-from moespec.layers import Experts, MoE, ProjectedGate, TopKRouter
+from moespec.layers import Experts, ImageRouter, MoE, ProjectedGate, TopKRouter
 
 from ..conftest import TINY_INPUT, TINY_VIT, make_spec
 
@@ -51,19 +51,19 @@ def test_one_bias_update_by_hand():
     model = _layer(router, dim=5).train()
     model(_items([[5, 0, 0, 0], [4, 0, 0, 0], [0, 3, 0, 0]]))
     model(_items([[2, 0, 0, 0], [0, 0, 7, 0]]))
-    assert router.tokens_per_expert.tolist() == [3, 1, 1, 0]
+    assert router.balance.tokens_per_expert.tolist() == [3, 1, 1, 0]
     assert moespec.update_bias(model) == 1
-    assert router.expert_bias.tolist() == pytest.approx([-0.1, 0.1, 0.1, 0.1])
-    assert router.tokens_per_expert.tolist() == [0, 0, 0, 0]  # the next step counts afresh
+    assert router.balance.expert_bias.tolist() == pytest.approx([-0.1, 0.1, 0.1, 0.1])
+    assert router.balance.tokens_per_expert.tolist() == [0, 0, 0, 0]  # the next step counts afresh
     moespec.update_bias(model)  # a step without a training forward changes nothing
-    assert router.expert_bias.tolist() == pytest.approx([-0.1, 0.1, 0.1, 0.1])
+    assert router.balance.expert_bias.tolist() == pytest.approx([-0.1, 0.1, 0.1, 0.1])
 
 
 def test_the_bias_chooses_and_the_unbiased_scores_weigh():
     """Softmax scores of logits [2, 1, 0]: 0.665, 0.245, 0.090. A bias of -0.5 on expert 0 makes its choice
     score 0.165 < 0.245: expert 1 is chosen, weighted by its unbiased score 0.245."""
     router = TopKRouter(FixedGate(3), 3, 1, bias_rate=0.01).train()
-    router.expert_bias.copy_(torch.tensor([-0.5, 0.0, 0.0]))
+    router.balance.expert_bias.copy_(torch.tensor([-0.5, 0.0, 0.0]))
     routing = router(_items([[2.0, 1.0, 0.0]]))
     probs = torch.tensor([2.0, 1.0, 0.0]).softmax(dim=0)
     assert routing.expert.tolist() == [1]
@@ -97,7 +97,7 @@ def test_load_imbalance_falls_over_50_steps_without_an_aux_loss():
     handle.remove()
     assert imbalance[0] > 3.5
     assert max(imbalance[-10:]) < 1.5, imbalance
-    assert router.expert_bias[0] < 0 < router.expert_bias[1:].min()
+    assert router.balance.expert_bias[0] < 0 < router.balance.expert_bias[1:].min()
 
 
 def test_eval_output_is_bit_equal_whatever_the_bias():
@@ -107,10 +107,10 @@ def test_eval_output_is_bit_equal_whatever_the_bias():
     model = _layer(router, 6)
     x = torch.randn(32, 6)
     reference = model.eval()(x)
-    counts = router.tokens_per_expert.clone()
-    router.expert_bias.copy_(torch.tensor([10.0, -10.0, 3.0, -3.0]))
+    counts = router.balance.tokens_per_expert.clone()
+    router.balance.expert_bias.copy_(torch.tensor([10.0, -10.0, 3.0, -3.0]))
     assert torch.equal(model.eval()(x), reference)
-    assert torch.equal(router.tokens_per_expert, counts)  # eval forwards are not loads of a training step
+    assert torch.equal(router.balance.tokens_per_expert, counts)  # eval forwards are not loads of a training step
     assert not torch.equal(model.train()(x), reference)  # in training the bias does choose
 
 
@@ -182,10 +182,10 @@ def test_bias_is_a_buffer_saved_and_loaded(tmp_path):
     router = next(iter(moespec.moe_layers(model).values())).router
     assert not any("expert_bias" in name for name, _ in model.named_parameters())  # not for the optimizer
     assert "tokens_per_expert" not in " ".join(model.state_dict())  # the step's accumulator is not saved
-    router.expert_bias.copy_(torch.tensor([0.25, -0.5, 0.125, 1.0]))
+    router.balance.expert_bias.copy_(torch.tensor([0.25, -0.5, 0.125, 1.0]))
     loaded = moespec.load(moespec.save(model, tmp_path / "moe.safetensors"))
     loaded_router = next(iter(moespec.moe_layers(loaded).values())).router
-    assert torch.equal(loaded_router.expert_bias, router.expert_bias)
+    assert torch.equal(loaded_router.balance.expert_bias, router.balance.expert_bias)
     x = torch.randn(2, *TINY_INPUT)
     assert torch.equal(loaded.train()(x), model.train()(x))  # the bias chooses alike in training
 
@@ -221,3 +221,36 @@ def test_learnable_temperature_needs_a_projected_gate():
     with pytest.raises((moespec.SpecError, ValidationError), match="cosine and l2 gates only"):
         make_spec(TINY_VIT, [{"where": {"every": 2}, "experts": 4, "router": {
             "kind": "topk", "gate": {"kind": "linear", "temperature": "learnable"}}}])
+
+
+def test_image_routing_takes_the_same_options_per_image():
+    """Two images of 3 tokens; the gate reads each [CLS] (first token). Image 0's logits [2, 1, 0, -1], image 1's
+    [0, 0, 3, 0]; sigmoid scores, scale 2, top-2 in 2 groups of 2 keeping 1: image 0 keeps group 0 (experts 0, 1),
+    image 1 group 1 (experts 2, 3, the tie broken by topk). The bias counts one choice per image and expert."""
+    cls = torch.tensor([[2.0, 1.0, 0.0, -1.0, 0.0], [0.0, 0.0, 3.0, 0.0, 0.0]])
+    x = torch.cat([cls[:, None], torch.zeros(2, 2, 5)], dim=1).reshape(6, 5)
+    router = ImageRouter(FixedGate(4), 4, 2, score="sigmoid", scale=2.0, expert_groups=(2, 1), bias_rate=0.5,
+                         eval_top_k=1).train()
+    routing = router(x, images=2)
+    s0 = torch.tensor([2.0, 1.0]).sigmoid()
+    assert sorted(set(zip(routing.item.tolist(), routing.expert.tolist(), strict=True))) == [
+        (i, e) for i in range(3) for e in (0, 1)] + [(i, e) for i in range(3, 6) for e in (2, 3)]
+    weights = {(i, e): w for i, e, w in zip(routing.item.tolist(), routing.expert.tolist(), routing.weights.tolist(),
+                                            strict=True)}
+    assert weights[(0, 0)] == pytest.approx(2.0 * (s0[0] / s0.sum()).item())
+    assert router.balance.tokens_per_expert.tolist() == [1, 1, 1, 1]  # images, not tokens
+    assert router.eval()(x, images=2).counts.sum().item() == 6  # eval_top_k 1: each token once
+    assert router.experts_per_item(6, 2) == 1
+
+
+def test_image_routing_options_in_the_spec_and_plan():
+    spec = make_spec(TINY_VIT, [{"where": {"every": 2}, "experts": 4, "aux_loss": [], "router": {
+        "kind": "image", "top_k": 2, "score": "sigmoid", "scale": 2.0, "groups": {"count": 2, "top": 1},
+        "bias_balance": {"rate": 0.01}, "eval_top_k": 1}}])
+    assert "image/cls/linear sigmoid scale=2 groups=1/2 bias-balance=0.01 eval-k=1" in str(moespec.plan(spec))
+    model = moespec.create_model(spec)
+    model(torch.randn(2, *TINY_INPUT))
+    assert moespec.update_bias(model) == 1
+    with pytest.raises(moespec.SpecError, match="top_k \\(2\\) is more than the 1 experts"):
+        make_spec(TINY_VIT, [{"where": {"every": 2}, "experts": 4, "router": {
+            "kind": "image", "top_k": 2, "groups": {"count": 4, "top": 1}}}])
