@@ -54,6 +54,7 @@ class LayerStats:
     eval_activated_params: int | None = None
     eval_gmacs: float | None = None
     eval_executed_gmacs: float | None = None
+    router: str = ""  # the router and its options, as `moespec plan` shows them (`topk/linear sigmoid scale=2.5`)
 
 
 @dataclass(frozen=True)
@@ -166,6 +167,7 @@ def _layer_stats(path: str, moe: nn.Module, layer: LayerPlan, macs: MacCount) ->
         path=path, experts=moe.num_experts, top_k=layer.router.picks(), shared_experts=layer.shared_experts,
         params=count_params(moe), routed_params=routed, activated_params=activated, gmacs=gmacs,
         activated=layer.router.activated_unit(), items=items, executed_gmacs=executed,
+        router=layer.router.describe(layer),
     )
 
 

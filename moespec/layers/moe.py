@@ -129,10 +129,9 @@ class MoE(MoELayer):
         return torch.einsum("te,etc->tc", combine, out)
 
     def router_weights(self) -> list[nn.Parameter]:
-        """The weights that decide the routing (the gate's), which upcycling initializes afresh: the gate's own
-        list where it has one (a learnable temperature is not drawn afresh), else every router parameter."""
-        gate = getattr(self.router, "gate", None)
-        return gate.router_weights() if hasattr(gate, "router_weights") else list(self.router.parameters())
+        """The weights that decide the routing (the gate's), which upcycling initializes afresh
+        (`Router.router_weights`)."""
+        return self.router.router_weights()
 
     def routing_stats(self) -> dict[str, object] | None:
         """Routing of the last forward: items per expert, share of items no expert took, mean top-1 gate. Under

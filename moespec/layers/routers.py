@@ -206,6 +206,9 @@ class TopKRouter(Router):
         """k in the current mode: `eval_top_k` in eval, where one is set."""
         return self.top_k if self.training or self.eval_top_k is None else self.eval_top_k
 
+    def router_weights(self) -> list[nn.Parameter]:
+        return self.gate.router_weights()
+
     def active_capacity_factor(self) -> float | None:
         """c in the current mode: `eval_capacity_factor` in eval, unless it is "training"."""
         if self.training or self.eval_capacity_factor == "training":
@@ -306,6 +309,9 @@ class ImageRouter(Router):
         """k in the current mode: `eval_top_k` in eval, where one is set."""
         return self.top_k if self.training or self.eval_top_k is None else self.eval_top_k
 
+    def router_weights(self) -> list[nn.Parameter]:
+        return self.gate.router_weights()
+
     def gate_macs(self, items: int, images: int) -> int:
         return images * self.gate.macs_per_item()  # one decision per image
 
@@ -346,6 +352,9 @@ class ExpertChoiceRouter(Router):
         super().__init__()
         self.gate, self.num_experts, self.capacity_per_item = gate, num_experts, capacity
         self.group = group
+
+    def router_weights(self) -> list[nn.Parameter]:
+        return self.gate.router_weights()
 
     def capacity(self, items: int) -> int:
         return min(items, max(1, round(self.capacity_per_item * items / self.num_experts)))

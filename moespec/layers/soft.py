@@ -10,18 +10,19 @@ For each sequence X [N, C] of one image, with n experts of p slots each (S = n *
 
 No token is dropped, there is no load-balancing loss, and the cost follows the number of slots, not experts.
 
-The routing ablations of the paper (Puigcerver et al. 2024, Table 2) replace D or C by fixed weights:
+The routing ablations of the paper (Puigcerver et al. 2024, Table 2) replace D or C by fixed weights (the
+spec's `dispatch` / `combine`, whose learned weights it calls soft):
 
-    dispatch  soft      D = softmax over tokens of the logits (learned)
+    dispatch  learned   D = softmax over tokens of the logits
               uniform   D = 1 / N: every slot is the mean of all tokens
               identity  D = I: slot i is token i (needs S = N)
-    combine   soft      C = softmax over slots of the logits (learned)
+    combine   learned   C = softmax over slots of the logits
               uniform   C = 1 / S: every output token is the mean of all slot outputs
               identity  C = I: token i's output is slot i's (needs S = N)
 
 Identity routing is the paper's "Identity" row (dispatch and combine identity); "Uniform" is uniform / uniform,
-"Soft-Uniform" soft dispatch with uniform combine, "Uniform-Soft" the reverse. Without a soft side the layer has
-no phi and no scale: nothing is learned about routing.
+"Soft-Uniform" learned dispatch with uniform combine, "Uniform-Soft" the reverse. Without a learned side the
+layer has no phi and no scale: nothing is learned about routing.
 """
 
 from __future__ import annotations
@@ -46,17 +47,17 @@ class SoftMoE(MoELayer):
         slots_per_expert: p.
         shared: always-active experts added to the output, or None.
         channels_dim: -1 for [..., C] inputs, 1 for [B, C, H, W].
-        dispatch: `soft`, `uniform` or `identity` dispatch weights D (module docstring).
-        combine: `soft`, `uniform` or `identity` combine weights C.
+        dispatch: `learned`, `uniform` or `identity` dispatch weights D (module docstring).
+        combine: `learned`, `uniform` or `identity` combine weights C.
     """
 
     def __init__(self, experts: Experts, slots_per_expert: int = 1, shared: Experts | None = None, *,
-                 channels_dim: int = -1, dispatch: str = "soft", combine: str = "soft"):
+                 channels_dim: int = -1, dispatch: str = "learned", combine: str = "learned"):
         super().__init__()
         self.experts, self.shared, self.channels_dim = experts, shared, channels_dim
         self.slots_per_expert, self.dispatch, self.combine = slots_per_expert, dispatch, combine
         self.phi = self.scale = None
-        if "soft" in (dispatch, combine):  # the learned logits
+        if "learned" in (dispatch, combine):  # the logits
             self.phi = nn.Parameter(torch.empty(experts.in_features, self.slots))
             self.scale = nn.Parameter(torch.empty(()))
         self.reset_parameters()
@@ -106,8 +107,8 @@ class SoftMoE(MoELayer):
         return y if channels_last is x else y.movedim(-1, self.channels_dim)
 
     def weights(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Dispatch and combine weights, both [B, N, S]: softmax of the logits over tokens and over slots, or the
-        fixed weights of a `uniform` or `identity` side."""
+        """Dispatch and combine weights, both [B, N, S]: softmax of the logits over tokens and over slots (learned),
+        or the fixed weights of a `uniform` or `identity` side."""
         images, count, slots = tokens.shape[0], tokens.shape[1], self.slots
         if "identity" in (self.dispatch, self.combine) and count != slots:
             raise ValueError(f"identity routing sends token i to slot i, so it needs as many slots as tokens: "
@@ -119,7 +120,7 @@ class SoftMoE(MoELayer):
                                   self.scale * F.normalize(self.phi, dim=0))
 
         def fixed(kind: str, learned: int) -> torch.Tensor:
-            if kind == "soft":
+            if kind == "learned":
                 return logits.softmax(dim=learned)
             if kind == "uniform":  # 1 / N over tokens (dispatch), 1 / S over slots (combine)
                 return tokens.new_full((images, count, slots), 1.0 / (count if learned == 1 else slots))
@@ -129,7 +130,7 @@ class SoftMoE(MoELayer):
 
     def router_weights(self) -> list[nn.Parameter]:
         """The weights that decide the routing, which upcycling initializes afresh: phi (the scale stays 1), none
-        without a soft side."""
+        without a learned side."""
         return [] if self.phi is None else [self.phi]
 
     def routing_stats(self) -> dict[str, object] | None:
@@ -151,7 +152,7 @@ class SoftMoE(MoELayer):
         return self.num_experts
 
     def activated_macs(self, items: int, images: int) -> int:
-        """Logits (T x C x S, where a side is soft), dispatch D^T X and combine C Y~ (T x S x C each: the layer
+        """Logits (T x C x S, where a side is learned), dispatch D^T X and combine C Y~ (T x S x C each: the layer
         multiplies by fixed weights too), and the S slot FFNs of each image; shared experts on every token.
         l2-normalization and softmax are elementwise (not counted)."""
         dim, out = self.experts.in_features, self.experts.out_features
@@ -160,7 +161,7 @@ class SoftMoE(MoELayer):
         return items * self.slots * (logits + dim + out) + slot_ffns + items * self.shared_macs()
 
     def extra_repr(self) -> str:
-        routing = "" if (self.dispatch, self.combine) == ("soft", "soft") else \
+        routing = "" if (self.dispatch, self.combine) == ("learned", "learned") else \
             f", dispatch={self.dispatch}, combine={self.combine}"
         return (f"experts={self.num_experts}, slots_per_expert={self.slots_per_expert}, "
                 f"channels_dim={self.channels_dim}{routing}")

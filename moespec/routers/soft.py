@@ -66,8 +66,10 @@ class SoftRouterSpec(RouterSpec):
     def build(self, layer: Any, experts: Any, shared: Any) -> Any:
         from ..layers import SoftMoE  # torch: deferred (routers/__init__)
 
+        layer_name = {"soft": "learned"}  # the layer calls the learned weights what they are
         return SoftMoE(experts, self.slots_per_expert, shared, channels_dim=layer.channels_dim,
-                       dispatch=self.dispatch, combine=self.combine)
+                       dispatch=layer_name.get(self.dispatch, self.dispatch),
+                       combine=layer_name.get(self.combine, self.combine))
 
     def describe(self, layer: Any) -> str:
         routing = (self.dispatch, self.combine)

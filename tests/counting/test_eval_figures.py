@@ -62,6 +62,7 @@ def test_stats_reports_training_and_eval_figures_when_they_differ():
     # per token and layer, one expert's MACs (384 * 1536 * 2) and the combine (384) fewer; 17 tokens per image
     assert record.eval_gmacs * 1e9 == pytest.approx(plain.gmacs * 1e9 - 2 * 17 * (2 * 384 * 1536 + 384))
     assert [layer.eval_top_k for layer in record.layers] == [1, 1]
+    assert [layer.router for layer in record.layers] == ["topk/linear eval-k=1"] * 2  # in --format json
     rows = list(csv.reader(io.StringIO(render([record], "csv"))))
     assert rows[0][-2:] == ["eval activated (M)", "eval GMACs"]
     assert rows[1][-2:] == [f"{record.eval_activated_params / 1e6:.2f}", f"{record.eval_gmacs:.3f}"]

@@ -13,8 +13,9 @@ from moespec.layers import Experts, SoftMoE
 
 from ..conftest import TINY_VIT, make_spec
 
-VARIANTS = [("soft", "soft"), ("soft", "uniform"), ("uniform", "soft"), ("uniform", "uniform"),
-            ("identity", "identity"), ("identity", "soft"), ("soft", "identity"), ("identity", "uniform")]
+VARIANTS = [("learned", "learned"), ("learned", "uniform"), ("uniform", "learned"), ("uniform", "uniform"),
+            ("identity", "identity"), ("identity", "learned"), ("learned", "identity"), ("identity", "uniform")]
+"""(dispatch, combine) as the layer names them; the spec's `soft` is the layer's `learned`."""
 
 
 def _expert(bank: Experts, e: int, x: torch.Tensor) -> torch.Tensor:
@@ -23,7 +24,8 @@ def _expert(bank: Experts, e: int, x: torch.Tensor) -> torch.Tensor:
 
 def _reference(layer: SoftMoE, x: torch.Tensor, dispatch: str, combine: str) -> torch.Tensor:
     """Y = C Y~, Y~ = the experts on their slots of X~ = D^T X, image by image, with D and C as the paper defines
-    them: softmax over tokens / slots of l2norm(X) scale l2norm(Phi) (soft), 1 / N or 1 / S (uniform), I (identity)."""
+    them: softmax over tokens / slots of l2norm(X) scale l2norm(Phi) (learned), 1 / N or 1 / S (uniform), I
+    (identity)."""
     out = []
     for tokens in x:  # [N, C]
         count, slots = tokens.shape[0], layer.slots
@@ -41,7 +43,7 @@ def _reference(layer: SoftMoE, x: torch.Tensor, dispatch: str, combine: str) -> 
 
 def _weights(kind: str, logits: torch.Tensor | None, count: int, slots: int, over: int) -> torch.Tensor:
     """[N, S] weights normalized over tokens (`over` 0, dispatch) or slots (1, combine)."""
-    if kind == "soft":
+    if kind == "learned":
         return logits.softmax(dim=over)
     if kind == "uniform":
         return torch.full((count, slots), 1.0 / (count, slots)[over])
@@ -58,7 +60,7 @@ def test_each_variant_computes_the_papers_definition(dispatch, combine):
     layer = SoftMoE(bank, per_expert, dispatch=dispatch, combine=combine)
     x = torch.randn(2, tokens, dim)
     torch.testing.assert_close(layer(x), _reference(layer, x, dispatch, combine), atol=1e-5, rtol=1e-5)
-    learned = "soft" in (dispatch, combine)
+    learned = "learned" in (dispatch, combine)
     assert (layer.phi is not None) == learned and len(layer.router_weights()) == int(learned)
 
 
@@ -85,8 +87,10 @@ def test_dispatch_identity_defaults_to_identity_combine_and_the_plan_says_so():
     assert (router.dispatch, router.combine) == ("identity", "identity")
     assert moespec.load_spec("x.yaml", text=spec.to_yaml()).model_dump() == spec.model_dump()  # round trip
     assert "soft p=1 dispatch=identity combine=identity" in str(moespec.plan(spec))
-    default = make_spec(TINY_VIT, [{"where": {"every": 2}, "experts": 4, "router": {"kind": "soft"}}]).moe[0].router
-    assert (default.dispatch, default.combine) == ("soft", "soft")
+    default = make_spec(TINY_VIT, [{"where": {"every": 2}, "experts": 4, "router": {"kind": "soft"}}])
+    assert (default.moe[0].router.dispatch, default.moe[0].router.combine) == ("soft", "soft")
+    layer = next(iter(moespec.moe_layers(moespec.create_model(default)).values()))
+    assert (layer.dispatch, layer.combine) == ("learned", "learned")  # the spec's soft is the layer's learned
 
 
 def test_stats_of_identity_with_too_few_slots_is_a_located_spec_error():
@@ -111,5 +115,7 @@ def test_a_model_without_learned_routing_runs_forward_and_backward(dispatch):
     spec = make_spec(TINY_VIT, [{"where": {"every": 2}, "experts": 17, "router": {"kind": "soft", "dispatch": dispatch,
                                                                                   "combine": "uniform"}}])
     model = moespec.create_model(spec)
+    layer = next(iter(moespec.moe_layers(model).values()))
+    assert (layer.dispatch, layer.combine) == (dispatch, "uniform")
     model(torch.randn(2, 3, 64, 64)).sum().backward()
     assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
