@@ -154,7 +154,7 @@ def _with_eval(layer: LayerStats, moe: nn.Module, plan: LayerPlan, macs: MacCoun
     activated, gmacs, executed = _figures(moe, macs.moe_items[layer.path], macs.moe_images[layer.path])
     if (activated, gmacs, executed) == (layer.activated_params, layer.gmacs, layer.executed_gmacs):
         return layer
-    return dataclasses.replace(layer, eval_top_k=getattr(plan.router, "eval_top_k", None) or layer.top_k,
+    return dataclasses.replace(layer, eval_top_k=plan.router.eval_picks(),
                                eval_activated_params=activated, eval_gmacs=gmacs, eval_executed_gmacs=executed)
 
 

@@ -94,6 +94,17 @@ def expert_groups(groups: ExpertGroups | None) -> tuple[int, int] | None:
     return None if groups is None else (groups.count, groups.top)
 
 
+def choice_caveats(router: Any, num_experts: int) -> list[str]:
+    """Why the top-k choice of top-k or image routing may not compute an upcycled layer's dense FFN."""
+    found = []
+    if not router.normalize and router.score == "softmax" and router.top_k < num_experts:
+        found.append(f"the top-{router.top_k} gates are not renormalized (normalize: false), so the FFN output is "
+                     f"scaled by the kept gate mass")
+    if router.scale != 1.0:
+        found.append(f"the combine weights are multiplied by scale ({router.scale:g}), and so is the FFN output")
+    return found
+
+
 def describe_choice(router: Any) -> list[tuple[str, bool]]:
     """The plan-column labels of the options top-k and image routing share, each with whether it is shown."""
     groups, bias = router.groups, router.bias_balance

@@ -17,6 +17,7 @@ from .gates import (
     GateField,
     build_gate,
     check_choice,
+    choice_caveats,
     describe_choice,
     describe_gate,
     expert_groups,
@@ -81,14 +82,11 @@ class ImageRouterSpec(RouterSpec):
     def picks(self) -> int:
         return self.top_k
 
+    def eval_picks(self) -> int:
+        return self.eval_top_k or self.top_k
+
     def report_name(self) -> str:
         return f"image-level top-{self.top_k}"
 
     def caveats(self, layer: Any) -> list[str]:
-        found = []
-        if not self.normalize and self.score == "softmax" and self.top_k < layer.num_experts:
-            found.append(f"the top-{self.top_k} gates are not renormalized (normalize: false), so the FFN output is "
-                         f"scaled by the kept gate mass")
-        if self.scale != 1.0:
-            found.append(f"the combine weights are multiplied by scale ({self.scale:g}), and so is the FFN output")
-        return found
+        return choice_caveats(self, layer.num_experts)

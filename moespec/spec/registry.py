@@ -112,6 +112,10 @@ class RouterSpec(SpecModel):
         pick nothing (the experts pick in expert choice; Soft MoE mixes) show 1."""
         return 1
 
+    def eval_picks(self) -> int:
+        """`picks` in eval mode (`eval_top_k` where a kind has one)."""
+        return self.picks()
+
     def report_name(self) -> str:
         """How `moespec inspect` names the router: `top-2`, `Soft MoE`."""
         return self.title
