@@ -28,8 +28,8 @@ from torch import nn
 from ..backbones import create_backbone, create_weightless_backbone
 from ..compiler import compile_model, moe_layers
 from ..errors import SpecError
-from ..planning import INPUT_SIZE_ERRORS, LayerPlan, Plan, input_size_problem, plan_for
-from ..spec import FieldError, Spec, spec_problem
+from ..planning import INPUT_SIZE_ERRORS, LayerPlan, Plan, input_size_problem, items_problems, plan_for
+from ..spec import Spec
 from .budget import refuse_uncountable
 from .flops import MacCount, count_macs
 
@@ -184,15 +184,10 @@ def _figures(moe: nn.Module, items: int, images: int) -> tuple[int, float, float
 
 
 def _check_items(spec: Spec, plan: Plan, macs: MacCount) -> None:
-    """Each router's checks against the items per image that the trace found (Soft MoE's identity routing needs
-    one slot per token): a located spec error, every layer's at once."""
-    problems = []
-    for path, items in macs.moe_items.items():
-        layer = plan.layer(path)
-        try:
-            layer.router.check_items(layer, items // max(macs.moe_images[path], 1))
-        except FieldError as error:
-            problems.append(spec_problem(spec, f"moe.{layer.group}.router.{error.field}", str(error)))
+    """Each router's checks against the items per image that the trace found: a located spec error, every
+    layer's at once."""
+    per_image = {path: items // max(macs.moe_images[path], 1) for path, items in macs.moe_items.items()}
+    problems = items_problems(spec, plan.layers, per_image)
     if problems:
         raise SpecError(problems)
 

@@ -112,8 +112,9 @@ class SoftMoE(MoELayer):
         images, count, slots = tokens.shape[0], tokens.shape[1], self.slots
         if "identity" in (self.dispatch, self.combine) and count != slots:
             raise ValueError(f"identity routing sends token i to slot i, so it needs as many slots as tokens: "
-                             f"{count} tokens per image, but {self.num_experts} experts x {self.slots_per_expert} "
-                             f"slots_per_expert = {slots} slots; make experts x slots_per_expert = {count}")
+                                 f"{count} tokens per image, but {self.num_experts} experts x "
+                                 f"{self.slots_per_expert} slots_per_expert = {slots} slots; make experts x "
+                                 f"slots_per_expert = {count}")
         logits = None
         if self.phi is not None:
             logits = torch.einsum("bnc,cs->bns", F.normalize(tokens, dim=-1),

@@ -45,7 +45,7 @@ def run_case(name: str, rank: int, world: int) -> dict:
             for layer in moespec.moe_layers(reference).values():
                 layer.router.gate.weight.zero_()
     for layer in moespec.moe_layers(reference).values():  # a balancing bias that changes the choices
-        if getattr(layer.router, "balance", None) is not None:
+        if getattr(getattr(layer, "router", None), "balance", None) is not None:
             bias = torch.randn(layer.num_experts, generator=torch.Generator().manual_seed(2))
             layer.router.balance.expert_bias.copy_(bias)
     for layer in moespec.moe_layers(reference).values():  # clamp bounds that bite (a fresh bank's are infinite)
@@ -71,7 +71,7 @@ def run_case(name: str, rank: int, world: int) -> dict:
     stats = [layer.routing_stats() for layer in moespec.moe_layers(model).values()]
 
     biases = {path: layer.router.balance.expert_bias.clone() for path, layer in moespec.moe_layers(reference).items()
-              if getattr(layer.router, "balance", None) is not None}
+              if getattr(getattr(layer, "router", None), "balance", None) is not None}
     moespec.update_bias(reference)
     moespec.update_bias(model)  # the loads of every rank's slice: the whole batch's
     reference_layers = moespec.moe_layers(reference)

@@ -119,3 +119,19 @@ def test_a_model_without_learned_routing_runs_forward_and_backward(dispatch):
     assert (layer.dispatch, layer.combine) == (dispatch, "uniform")
     model(torch.randn(2, 3, 64, 64)).sum().backward()
     assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+
+
+def test_upcycling_identity_with_too_few_slots_is_a_spec_error_before_anything_is_written(tmp_path):
+    """It wrote the checkpoint, then failed in the check's forward with an internal error."""
+    bad = make_spec(TINY_VIT, [{"where": {"every": 2}, "experts": 4, "router": {"kind": "soft",
+                                                                                "dispatch": "identity"}}])
+    with pytest.raises(moespec.SpecError) as info:
+        moespec.upcycle_to_checkpoint(bad, tmp_path / "out.safetensors")
+    assert [problem.path for problem in info.value.problems] == ["moe.0.router.dispatch"]
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(moespec.SpecError, match="needs one slot per token"):
+        moespec.upcycle(bad)
+    good = make_spec(TINY_VIT, [{"where": {"every": 2}, "experts": 17, "router": {"kind": "soft",
+                                                                                  "dispatch": "identity"}}])
+    model = moespec.upcycle(good)
+    assert model(torch.randn(1, 3, 64, 64)).shape == (1, 10)
