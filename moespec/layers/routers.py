@@ -113,18 +113,21 @@ class BalancingBias(nn.Module):
         super().__init__()
         self.rate = rate
         self.register_buffer("expert_bias", torch.zeros(num_experts))
-        self.register_buffer("tokens_per_expert", torch.zeros(num_experts), persistent=False)
+        # integers: exact at any count, and left alone by `model.to(dtype)` (a bfloat16 count stops at 256)
+        self.register_buffer("tokens_per_expert", torch.zeros(num_experts, dtype=torch.long), persistent=False)
 
     @torch.no_grad()
     def count(self, experts: torch.Tensor) -> None:
         """Add the choices `experts` (any shape) to this step's loads."""
-        self.tokens_per_expert += load_counts(experts, self.expert_bias.numel())
+        chosen = experts.reshape(-1)
+        self.tokens_per_expert.index_add_(0, chosen, torch.ones_like(chosen))
 
     @torch.no_grad()
     def step(self, load: torch.Tensor) -> None:
         """`expert_bias += rate * sign(mean load - load_e)` for the loads `load` [E] of one optimizer step (this
         module's `tokens_per_expert`, summed over the ranks that share the experts), then the count starts
         again. A step without choices changes nothing."""
+        load = load.double()
         if load.sum() > 0:
             self.expert_bias += self.rate * torch.sign(load.mean() - load).to(self.expert_bias.dtype)
         self.tokens_per_expert.zero_()

@@ -254,3 +254,12 @@ def test_image_routing_options_in_the_spec_and_plan():
     with pytest.raises(moespec.SpecError, match="top_k \\(2\\) is more than the 1 experts"):
         make_spec(TINY_VIT, [{"where": {"every": 2}, "experts": 4, "router": {
             "kind": "image", "top_k": 2, "groups": {"count": 4, "top": 1}}}])
+
+
+def test_the_step_count_stays_exact_in_a_bfloat16_model():
+    """The loads are integers: `model.to(torch.bfloat16)` leaves them alone (a bfloat16 count of 257 is 256)."""
+    router = TopKRouter(FixedGate(2), 2, 1, bias_rate=0.1)
+    model = _layer(router, dim=3).to(torch.bfloat16).train()
+    for items in (200, 57):
+        model(_items([[1.0, 0.0]] * items).to(torch.bfloat16))
+    assert router.balance.tokens_per_expert.tolist() == [257, 0]
