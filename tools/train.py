@@ -12,7 +12,8 @@ Each step: cross-entropy + `moespec.aux_loss(model)` (global statistics under ex
 `moespec.distributed.clip_grad_norm_` with `--clip-grad` (the norm over every rank's experts), AdamW from
 timm's `create_optimizer_v2` over `moespec.optimizer_groups` (timm's groups: no weight decay on 1-D parameters
 and `no_weight_decay()` names; the routed experts at `--expert-weight-decay`), linear warmup then cosine decay,
-bfloat16 autocast on GPUs.
+bfloat16 autocast on GPUs. Routers with `bias_balance` (DeepSeek-V3's aux-loss-free balancing) move their bias
+once per step from that step's loads (`moespec.update_bias`, global under expert parallelism).
 
 `--output DIR` receives DIR/state (model + optimizer + step + scheduler, `moespec.distributed.save_state`:
 resumable at any world size) every `--save-every` steps and at the end, and DIR/model.safetensors at the end
@@ -268,6 +269,7 @@ def train(args: argparse.Namespace) -> None:
                 (task + aux).backward()
                 if args.clip_grad is not None:
                     md.clip_grad_norm_(model, args.clip_grad)
+                moespec.update_bias(model)  # routers with bias_balance: this step's loads (global under EP)
                 optimizer.step()
                 scheduler.step()
                 step += 1

@@ -27,6 +27,10 @@ FOOTER = ("experts (all layers): routed experts summed over the MoE layers. para
           "Soft MoE). GMACs: 10^9 multiply-adds per image at batch 1 (fvcore's convention: one MAC = one flop), "
           "MoE layers at those experts per item with perfect balance and no drops. M = 10^6; exact counts in "
           "--format json.")
+EVAL_COLUMNS = ("eval activated (M)", "eval GMACs")
+EVAL_LAYER_COLUMNS = ("eval k", "eval activated (M)", "eval GMACs")
+EVAL_FOOTER = ("eval: the same figures in eval mode, where a router's eval_top_k or eval_capacity_factor makes them "
+               "differ from training's (- where they do not).")
 RANK_COLUMNS = ("ranks", "params/rank (M)", "experts/rank (M)", "replicated (M)", "fp32 train GB/rank")
 RANK_FOOTER = ("ranks: expert parallelism, each MoE layer's routed experts split evenly over the ranks, everything "
                "else (backbone, routers, shared experts) replicated on every rank. params/rank = experts/rank + "
@@ -34,24 +38,34 @@ RANK_FOOTER = ("ranks: expert parallelism, each MoE layer's routed experts split
                "gradient and AdamW's two moments), GB = 10^9 bytes; activations not included.")
 
 
-def spec_rows(records: Sequence[SpecStats]) -> list[tuple[str, ...]]:
+def has_eval(records: Sequence[SpecStats]) -> bool:
+    """Whether any record's eval-mode figures differ from its training ones (the eval columns are shown)."""
+    return any(s.eval_gmacs is not None for s in records)
+
+
+def spec_rows(records: Sequence[SpecStats], evals: bool = False) -> list[tuple[str, ...]]:
+    """One row per spec; with `evals`, the eval-mode activated params and GMACs at the end."""
     return [(s.name, s.backbone, str(s.moe_layers), str(s.experts_total), _m(s.total_params), _m(s.activated_params),
-             f"{s.gmacs:.3f}", _m(s.dense_params), f"{s.dense_gmacs:.3f}") for s in records]
+             f"{s.gmacs:.3f}", _m(s.dense_params), f"{s.dense_gmacs:.3f}",
+             *((_m_or_dash(s.eval_activated_params), _g_or_dash(s.eval_gmacs)) if evals else ())) for s in records]
 
 
-def layer_rows(records: Sequence[SpecStats]) -> list[tuple[str, ...]]:
-    """One row per MoE layer, then one for the dense remainder of each spec (everything else)."""
+def layer_rows(records: Sequence[SpecStats], evals: bool = False) -> list[tuple[str, ...]]:
+    """One row per MoE layer, then one for the dense remainder of each spec (everything else); with `evals`, the
+    eval-mode k, activated params and GMACs at the end."""
     rows = []
     for s in records:
         for layer in s.layers:
             executed = f"{layer.executed_gmacs:.3f}" if layer.executed_gmacs is not None else "-"
+            extra = (str(layer.eval_top_k or "-"), _m_or_dash(layer.eval_activated_params),
+                     _g_or_dash(layer.eval_gmacs)) if evals else ()
             rows.append((s.name, layer.path, str(layer.experts), str(layer.top_k), str(layer.shared_experts),
                          str(layer.items), _m(layer.params), _m(layer.activated_params), f"{layer.gmacs:.3f}",
-                         executed))
+                         executed, *extra))
         rest_params = s.total_params - sum(layer.params for layer in s.layers)
         rest_gmacs = s.gmacs - sum(layer.gmacs for layer in s.layers)
         rows.append((s.name, "(dense remainder)", "-", "-", "-", "-", _m(rest_params), _m(rest_params),
-                     f"{rest_gmacs:.3f}", "-"))
+                     f"{rest_gmacs:.3f}", "-", *(("-",) * len(EVAL_LAYER_COLUMNS) if evals else ())))
     return rows
 
 
@@ -85,17 +99,21 @@ def render(records: Sequence[SpecStats], format: str, per_layer: bool = False,
         if ranks is not None:
             dicts = [{**d, "per_rank": asdict(r)} for d, r in zip(dicts, ranks, strict=True)]
         return json.dumps(dicts, indent=2) + "\n"
-    columns, rows = (LAYER_COLUMNS, layer_rows(records)) if per_layer else (SPEC_COLUMNS, spec_rows(records))
+    evals = has_eval(records)
+    columns, rows = (LAYER_COLUMNS, layer_rows(records, evals)) if per_layer else (SPEC_COLUMNS,
+                                                                                    spec_rows(records, evals))
+    if evals:
+        columns = (*columns, *(EVAL_LAYER_COLUMNS if per_layer else EVAL_COLUMNS))
     keys: list[str] = list(settings[0]) if settings else []
     if keys:
-        per_record = [layer_rows([s]) if per_layer else spec_rows([s]) for s in records]
+        per_record = [layer_rows([s], evals) if per_layer else spec_rows([s], evals) for s in records]
         rows = [(row[0], *(show(values[k]) for k in keys), *row[1:])
                 for record_rows, values in zip(per_record, settings, strict=True) for row in record_rows]
         columns = (columns[0], *keys, *columns[1:])
-    footer = FOOTER
+    footer = f"{FOOTER} {EVAL_FOOTER}" if evals else FOOTER
     if ranks is not None:
         rows = [(*row, *rank_cells(r)) for row, r in zip(rows, ranks, strict=True)]
-        columns, footer = (*columns, *RANK_COLUMNS), f"{FOOTER} {RANK_FOOTER}"
+        columns, footer = (*columns, *RANK_COLUMNS), f"{footer} {RANK_FOOTER}"
     if format == "csv":
         buffer = io.StringIO()
         writer = csv.writer(buffer, lineterminator="\n")
@@ -125,6 +143,14 @@ def show(value: Any) -> str:
 
 def _m(count: int) -> str:
     return f"{count / 1e6:.2f}"
+
+
+def _m_or_dash(count: int | None) -> str:
+    return "-" if count is None else _m(count)
+
+
+def _g_or_dash(gmacs: float | None) -> str:
+    return "-" if gmacs is None else f"{gmacs:.3f}"
 
 
 def plan_table(plan: Plan) -> Table:

@@ -19,6 +19,7 @@ one process peaks at the largest one. Records are data; the CLI renders them.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from dataclasses import asdict, dataclass, field
 
@@ -27,7 +28,7 @@ from torch import nn
 from ..backbones import create_backbone, create_weightless_backbone
 from ..compiler import compile_model, moe_layers
 from ..errors import SpecError
-from ..planning import INPUT_SIZE_ERRORS, LayerPlan, input_size_problem, plan_for
+from ..planning import INPUT_SIZE_ERRORS, LayerPlan, Plan, input_size_problem, items_problems, plan_for
 from ..spec import Spec
 from .budget import refuse_uncountable
 from .flops import MacCount, count_macs
@@ -48,6 +49,12 @@ class LayerStats:
     activated: str = "per token"
     items: int = 0  # items routed per image
     executed_gmacs: float | None = None  # with a capacity factor: every expert padded to capacity
+    # In eval mode, where the router's eval_top_k / eval_capacity_factor make it differ from training (else None):
+    eval_top_k: int | None = None
+    eval_activated_params: int | None = None
+    eval_gmacs: float | None = None
+    eval_executed_gmacs: float | None = None
+    router: str = ""  # the router and its options, as `moespec plan` shows them (`topk/linear sigmoid scale=2.5`)
 
 
 @dataclass(frozen=True)
@@ -64,6 +71,8 @@ class SpecStats:
     moe_layers: int
     experts_total: int
     layers: list[LayerStats] = field(default_factory=list)
+    eval_activated_params: int | None = None  # in eval mode, where some layer differs from training (else None)
+    eval_gmacs: float | None = None
 
     def to_dict(self) -> dict:
         record = asdict(self)
@@ -103,42 +112,84 @@ def _count(spec: Spec) -> SpecStats:
     plan = plan_for(spec, backbone)
     refuse_uncountable(spec, plan.input_size)
     dense_params, dense_macs = count_params(backbone), _macs(spec, backbone, plan.input_size).total
-    model = compile_model(backbone, plan, moe_device="meta")  # experts are counted and costed, never run
-    macs = _macs(spec, model, plan.input_size)
+    model = compile_model(backbone, plan, moe_device="meta").train()  # counted and costed, never run
+    macs = _macs(spec, model, plan.input_size)  # MoE layers costed in training mode, the figures of the spec
+    _check_items(spec, plan, macs)
     layers = [_layer_stats(path, moe, plan.layer(path), macs) for path, moe in moe_layers(model).items()]
+    model.eval()  # the eval figures: the same items, eval_top_k and eval_capacity_factor where set
+    layers = [_with_eval(layer, moe, plan.layer(layer.path), macs) for layer, moe in
+              zip(layers, moe_layers(model).values(), strict=True)]
     total = count_params(model)
+    activated = total - sum(layer.params - layer.activated_params for layer in layers)
+    differs = any(layer.eval_gmacs is not None for layer in layers)
+    eval_activated = total - sum(layer.params - _eval(layer, "activated_params") for layer in layers)
+    eval_gmacs = (macs.total - sum(macs.moe_layers.values())) / 1e9 + sum(_eval(layer, "gmacs") for layer in layers)
     return SpecStats(
         name=spec.name or spec.backbone.model,
         spec=spec.source or "",
         backbone=spec.backbone.model,
         input_size=plan.input_size,
         total_params=total,
-        activated_params=total - sum(layer.params - layer.activated_params for layer in layers),
+        activated_params=activated,
         dense_params=dense_params,
         gmacs=macs.total / 1e9,
         dense_gmacs=dense_macs / 1e9,
         moe_layers=len(layers),
         experts_total=sum(layer.experts for layer in layers),
         layers=layers,
+        eval_activated_params=eval_activated if differs else None,
+        eval_gmacs=eval_gmacs if differs else None,
     )
+
+
+def _eval(layer: LayerStats, name: str) -> float:
+    """A layer's figure in eval mode: its `eval_` one where that differs, else the training one."""
+    value = getattr(layer, f"eval_{name}")
+    return getattr(layer, name) if value is None else value
+
+
+def _with_eval(layer: LayerStats, moe: nn.Module, plan: LayerPlan, macs: MacCount) -> LayerStats:
+    """`layer` with its eval-mode figures (the module is in eval mode now), where they differ from training's:
+    the router's `eval_top_k` or `eval_capacity_factor` uses other experts per item or another capacity."""
+    activated, gmacs, executed = _figures(moe, macs.moe_items[layer.path], macs.moe_images[layer.path])
+    if (activated, gmacs, executed) == (layer.activated_params, layer.gmacs, layer.executed_gmacs):
+        return layer
+    return dataclasses.replace(layer, eval_top_k=plan.router.eval_picks(),
+                               eval_activated_params=activated, eval_gmacs=gmacs, eval_executed_gmacs=executed)
 
 
 def _layer_stats(path: str, moe: nn.Module, layer: LayerPlan, macs: MacCount) -> LayerStats:
-    """Params and MACs of one MoE layer. Activated params: the router, the shared experts and the routed
-    experts one routed unit uses (`experts_per_item`: top_k per token or per image, E·C/T for expert choice,
-    every expert for Soft MoE)."""
+    """Params and MACs of one MoE layer (in the module's mode: training, then eval in `_with_eval`)."""
+    items = macs.moe_items[path]
+    activated, gmacs, executed = _figures(moe, items, macs.moe_images[path])
     routed = count_params(moe.experts)
-    other = count_params(moe) - routed  # router (or Soft MoE's Phi and scale) + shared experts
-    per_expert = routed // moe.num_experts
-    items, images = macs.moe_items[path], macs.moe_images[path]
-    experts_used = moe.experts_per_item(items, images)
-    executed = moe.executed_macs(items, images)
     return LayerStats(
         path=path, experts=moe.num_experts, top_k=layer.router.picks(), shared_experts=layer.shared_experts,
-        params=routed + other, routed_params=routed, activated_params=other + round(experts_used * per_expert),
-        gmacs=macs.moe_layers[path] / 1e9, activated=layer.router.activated_unit(),
-        items=items, executed_gmacs=executed / 1e9 if executed is not None else None,
+        params=count_params(moe), routed_params=routed, activated_params=activated, gmacs=gmacs,
+        activated=layer.router.activated_unit(), items=items, executed_gmacs=executed,
+        router=layer.router.describe(layer),
     )
+
+
+def _figures(moe: nn.Module, items: int, images: int) -> tuple[int, float, float | None]:
+    """Activated params, activated GMACs and executed GMACs (None without a capacity) of one MoE layer for
+    `items` items in `images` images. Activated params: the router, the shared experts and the routed experts
+    one routed unit uses (`experts_per_item`: top_k per token or per image, E·C/T for expert choice, every
+    expert for Soft MoE)."""
+    routed = count_params(moe.experts)
+    other = count_params(moe) - routed  # router (or Soft MoE's Phi and scale) + shared experts
+    activated = other + round(moe.experts_per_item(items, images) * (routed // moe.num_experts))
+    executed = moe.executed_macs(items, images)
+    return activated, moe.activated_macs(items, images) / 1e9, executed / 1e9 if executed is not None else None
+
+
+def _check_items(spec: Spec, plan: Plan, macs: MacCount) -> None:
+    """Each router's checks against the items per image that the trace found: a located spec error, every
+    layer's at once."""
+    per_image = {path: items // max(macs.moe_images[path], 1) for path, items in macs.moe_items.items()}
+    problems = items_problems(spec, plan.layers, per_image)
+    if problems:
+        raise SpecError(problems)
 
 
 def _macs(spec: Spec, model: nn.Module, input_size: tuple[int, int, int]) -> MacCount:

@@ -4,10 +4,10 @@ from .experts import Experts, StackedLinear, StackedNorm
 from .interfaces import MoELayer, Router
 from .moe import MoE
 from .rescale import Rescale, RescaledBlock, rescaled
-from .routers import ExpertChoiceRouter, ImageRouter, LinearGate, ProjectedGate, TopKRouter
+from .routers import BalancingBias, ExpertChoiceRouter, ImageRouter, LinearGate, ProjectedGate, TopKRouter
 from .routing import AUX_LOSSES, Routing, register_aux_loss
 from .soft import SoftMoE
 
-__all__ = ["AUX_LOSSES", "ExpertChoiceRouter", "Experts", "ImageRouter", "LinearGate", "MoE", "MoELayer",
-           "ProjectedGate", "Rescale", "RescaledBlock", "Router", "Routing", "SoftMoE", "StackedLinear", "StackedNorm",
-           "TopKRouter", "register_aux_loss", "rescaled"]
+__all__ = ["AUX_LOSSES", "BalancingBias", "ExpertChoiceRouter", "Experts", "ImageRouter", "LinearGate", "MoE",
+           "MoELayer", "ProjectedGate", "Rescale", "RescaledBlock", "Router", "Routing", "SoftMoE", "StackedLinear",
+           "StackedNorm", "TopKRouter", "register_aux_loss", "rescaled"]

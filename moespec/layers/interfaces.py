@@ -43,6 +43,11 @@ class Router(nn.Module):
         """Items of `items` that reach any expert at all (importance-score routing keeps some out)."""
         return items
 
+    def router_weights(self) -> list[nn.Parameter]:
+        """The weights that upcycling draws afresh: every parameter, unless a router says otherwise (its gate's
+        projection and codes, not a learnable temperature)."""
+        return list(self.parameters())
+
     def capacity_rows(self, items: int) -> int | float | None:
         """Expert rows per `items` (one image's) with every expert at its full capacity; None when dropless."""
         return None

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from .collectives import all_reduce_sum
 from .dispatch import exporting
 from .experts import Experts
 from .interfaces import MoELayer, Router
@@ -128,8 +129,9 @@ class MoE(MoELayer):
         return torch.einsum("te,etc->tc", combine, out)
 
     def router_weights(self) -> list[nn.Parameter]:
-        """The weights that decide the routing (the gate's), which upcycling initializes afresh."""
-        return list(self.router.parameters())
+        """The weights that decide the routing (the gate's), which upcycling initializes afresh
+        (`Router.router_weights`)."""
+        return self.router.router_weights()
 
     def routing_stats(self) -> dict[str, object] | None:
         """Routing of the last forward: items per expert, share of items no expert took, mean top-1 gate. Under
@@ -275,3 +277,38 @@ def aux_loss(model: nn.Module) -> torch.Tensor:
     if not losses:
         return torch.zeros(())
     return torch.stack(losses).sum()
+
+
+def update_bias(model: nn.Module, group=None) -> int:
+    """One step of DeepSeek-V3's auxiliary-loss-free load balancing for every MoE layer of `model` whose router
+    has `bias_balance`: each expert's bias moves by `rate * sign(mean load - load_e)`, the loads being the
+    top-k choices the training forwards made since the last call (every micro-batch of a gradient
+    accumulation), and the accumulated loads start again from zero. Returns the number of layers updated.
+
+    Call it once per optimizer step, before or after `optimizer.step()` (torchtitan does it in an optimizer
+    pre-step hook; `update_bias_on_step` registers one). Under expert parallelism the loads are summed over each
+    layer's expert-parallel group (a collective: every rank calls it), so the bias follows the global loads and
+    stays equal on every rank. Without expert parallelism, a data-parallel job passes its `group` (e.g.
+    `torch.distributed.group.WORLD`) to balance the global loads; otherwise each rank's own loads move its bias.
+    """
+    by_group: dict[object, list[nn.Module]] = {}
+    for layer in model.modules():
+        balance = getattr(layer.router, "balance", None) if isinstance(layer, MoE) else None
+        if balance is not None:
+            own = group if group is not None else getattr(layer.experts, "routing_group", None)
+            by_group.setdefault(own, []).append(balance)
+    for own, balances in by_group.items():  # one collective per group, in module order on every rank
+        loads = all_reduce_sum([balance.tokens_per_expert for balance in balances], own)
+        for balance, load in zip(balances, loads, strict=True):
+            balance.step(load)
+    return sum(len(balances) for balances in by_group.values())
+
+
+def update_bias_on_step(model: nn.Module, optimizer: torch.optim.Optimizer, group=None):
+    """Call `update_bias(model, group)` before every `optimizer.step()` (an optimizer step pre-hook, as
+    torchtitan registers one); returns the hook's handle (`.remove()` stops it)."""
+
+    def hook(*_) -> None:  # a pre-hook that returns something replaces the step's arguments
+        update_bias(model, group)
+
+    return optimizer.register_step_pre_hook(hook)

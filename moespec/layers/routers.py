@@ -43,6 +43,10 @@ class LinearGate(nn.Module):
     def reset_parameters(self) -> None:
         nn.init.normal_(self.weight, std=0.02)
 
+    def router_weights(self) -> list[nn.Parameter]:
+        """The weights upcycling draws afresh: all of them."""
+        return [self.weight]
+
     def macs_per_item(self) -> int:
         return self.weight.numel()
 
@@ -54,19 +58,32 @@ class ProjectedGate(nn.Module):
     """Cosine or L2 gate (Chi et al. 2022): project x to `proj_dim`, compare with learned expert codes.
 
     cosine: logits = cos(W_p x, e_i) / temperature;  l2: logits = -||W_p x - e_i|| / temperature.
+
+    With `learnable_temperature` the temperature is a parameter, as in Swin-MoE (Hwang et al. 2023, through
+    Tutel's `CosineTopKGate`, microsoft/tutel `tutel/gates/cosine_top.py`): the gate learns
+    `log_scale = log(1 / temperature)`, starting at `temperature` (Tutel's `init_t` is 0.5), and multiplies the
+    logits by `exp(min(log_scale, log(1 / 0.01)))`, so the temperature never falls below 0.01.
     """
 
     def __init__(self, dim: int, num_experts: int, proj_dim: int = 16, temperature: float = 0.07,
-                 metric: str = "cosine"):
+                 metric: str = "cosine", learnable_temperature: bool = False):
         super().__init__()
         self.metric, self.temperature = metric, temperature
         self.proj = nn.Linear(dim, proj_dim, bias=False)
         self.weight = nn.Parameter(torch.empty(num_experts, proj_dim))  # expert codes
+        self.log_scale = nn.Parameter(torch.empty(())) if learnable_temperature else None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
         nn.init.normal_(self.proj.weight, std=0.02)
         nn.init.normal_(self.weight, std=0.02)
+        if self.log_scale is not None:
+            nn.init.constant_(self.log_scale, math.log(1.0 / self.temperature))
+
+    def router_weights(self) -> list[nn.Parameter]:
+        """The projection and the expert codes, which upcycling draws afresh; a learnable temperature keeps its
+        initial value."""
+        return [self.proj.weight, self.weight]
 
     def macs_per_item(self) -> int:
         return self.proj.weight.numel() + self.weight.numel()
@@ -74,12 +91,80 @@ class ProjectedGate(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         z = self.proj(x)
         if self.metric == "cosine":
-            return F.linear(F.normalize(z, dim=-1), F.normalize(self.weight, dim=-1)) / self.temperature
-        return -torch.cdist(z.float(), self.weight.float()).to(z.dtype) / self.temperature
+            similarity = F.linear(F.normalize(z, dim=-1), F.normalize(self.weight, dim=-1))
+        else:
+            similarity = -torch.cdist(z.float(), self.weight.float()).to(z.dtype)
+        if self.log_scale is None:
+            return similarity / self.temperature
+        return similarity * self.log_scale.clamp(max=LOG_MAX_LOGIT_SCALE).exp()
+
+
+LOG_MAX_LOGIT_SCALE = math.log(1.0 / 0.01)
+"""A learnable temperature's clamp: at least 0.01, i.e. a logit scale of at most 100 (Tutel's `clamp_max`)."""
+
+
+class BalancingBias(nn.Module):
+    """DeepSeek-V3's auxiliary-loss-free load balancing (DeepSeek-AI 2024; Wang et al. 2024) of one router: a bias
+    per expert, `expert_bias` [E], added to the scores only to choose the top k in training, and the choices of
+    the training forwards since the last step, `tokens_per_expert` [E]. Both are buffers, not parameters; only
+    the bias is saved in checkpoints. `step` moves the bias once per optimizer step (`moespec.update_bias`)."""
+
+    def __init__(self, num_experts: int, rate: float):
+        super().__init__()
+        self.rate = rate
+        self.register_buffer("expert_bias", torch.zeros(num_experts))
+        # integers: exact at any count, and left alone by `model.to(dtype)` (a bfloat16 count stops at 256)
+        self.register_buffer("tokens_per_expert", torch.zeros(num_experts, dtype=torch.long), persistent=False)
+
+    @torch.no_grad()
+    def count(self, experts: torch.Tensor) -> None:
+        """Add the choices `experts` (any shape) to this step's loads."""
+        chosen = experts.reshape(-1)
+        self.tokens_per_expert.index_add_(0, chosen, torch.ones_like(chosen))
+
+    @torch.no_grad()
+    def step(self, load: torch.Tensor) -> None:
+        """`expert_bias += rate * sign(mean load - load_e)` for the loads `load` [E] of one optimizer step (this
+        module's `tokens_per_expert`, summed over the ranks that share the experts), then the count starts
+        again. A step without choices changes nothing."""
+        load = load.double()
+        if load.sum() > 0:
+            self.expert_bias += self.rate * torch.sign(load.mean() - load).to(self.expert_bias.dtype)
+        self.tokens_per_expert.zero_()
+
+    def extra_repr(self) -> str:
+        return f"rate={self.rate:g}"
+
+
+def choose_experts(noisy: torch.Tensor, top_k: int, *, score: str = "softmax", normalize: bool = False,
+                   scale: float = 1.0, balance: BalancingBias | None = None,
+                   expert_groups: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The top-k choice of token choice and image routing, from (noisy) logits [U, E]: the scores (softmax, or
+    sigmoid renormalized over the k chosen, DeepSeek-V3), the choice (on the scores plus `balance`'s bias where
+    given, within the `expert_groups` (G, g) where given), the chosen scores as weights (renormalized with
+    `normalize`, times `scale`). Returns (probs [U, E] for the aux losses, weights [U, k], experts [U, k]);
+    sigmoid scores are normalized over the experts for the aux losses, as DeepSeek-V3's sequence-wise loss does."""
+    sigmoid = score == "sigmoid"
+    scores = noisy.sigmoid() if sigmoid else noisy.softmax(dim=-1)
+    if balance is not None or expert_groups is not None:
+        choice = scores + balance.expert_bias if balance is not None else scores
+        if expert_groups is not None:
+            choice = limit_to_groups(choice, *expert_groups)
+        experts = choice.topk(top_k, dim=-1).indices
+        weights = scores.gather(-1, experts)  # the unbiased scores of the chosen experts
+    else:
+        weights, experts = scores.topk(top_k, dim=-1)
+    if normalize or sigmoid:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    if scale != 1.0:
+        weights = weights * scale
+    return (scores / scores.sum(dim=-1, keepdim=True) if sigmoid else scores), weights, experts
 
 
 class TopKRouter(Router):
-    """Token choice top-k (Shazeer et al. 2017), optionally noisy, capacity-limited, BPR, importance drop.
+    """Token choice top-k (Shazeer et al. 2017), optionally noisy, capacity-limited, BPR, importance drop, with
+    DeepSeek-V3's routing options (sigmoid scores, a route scale, group-limited top-k and the aux-loss-free
+    balancing bias; DeepSeek-AI 2024).
 
     Args:
         gate: a gate module mapping items [T, C] to logits [T, E].
@@ -92,21 +177,52 @@ class TopKRouter(Router):
             top-1 gate value, is not dispatched.
         group: images per routing group (1: each image alone; None: the whole batch). Capacity, BPR order and
             drops are decided within each group, T above being the group's items.
+        score: `softmax` over the experts, or `sigmoid` of each logit (DeepSeek-V3), whose k kept values are
+            always renormalized to sum to 1.
+        scale: multiplies the combine weights (DeepSeek-V3's `route_scale`).
+        bias_rate: aux-loss-free load balancing (DeepSeek-V3) at this rate: `balance`, a `BalancingBias`, whose
+            bias is added to the scores only to choose the top k in training, the weights staying the unbiased
+            scores. None: no bias.
+        expert_groups: (G, g), group-limited top-k (DeepSeek-V3's n_group / topk_group): the experts are G
+            groups of E / G; each item keeps the g groups with the highest group score (the sum of the group's
+            two highest scores, as DeepSeek-V3 and torchtitan do) and picks its top k among their experts.
+        eval_top_k: k in eval mode (Tutel takes top_k per call); None: `top_k`.
+        eval_capacity_factor: c in eval mode (DeepSpeed's eval_capacity_factor): a number, None (dropless), or
+            "training" (the default): the training c.
     """
 
     def __init__(self, gate: nn.Module, num_experts: int, top_k: int, *, normalize: bool = False,
                  noise_std: float = 0.0, capacity_factor: float | None = None, bpr: bool = False,
-                 drop_fraction: float = 0.0, group: int | None = 1):
+                 drop_fraction: float = 0.0, group: int | None = 1, score: str = "softmax", scale: float = 1.0,
+                 bias_rate: float | None = None, expert_groups: tuple[int, int] | None = None,
+                 eval_top_k: int | None = None, eval_capacity_factor: float | str | None = "training"):
         super().__init__()
         self.gate, self.num_experts, self.top_k = gate, num_experts, top_k
         self.normalize, self.noise_std = normalize, noise_std
         self.capacity_factor, self.bpr, self.drop_fraction = capacity_factor, bpr, drop_fraction
-        self.group = group
+        self.group, self.score, self.scale = group, score, scale
+        self.expert_groups = expert_groups
+        self.eval_top_k, self.eval_capacity_factor = eval_top_k, eval_capacity_factor
+        self.balance = BalancingBias(num_experts, bias_rate) if bias_rate is not None else None
+
+    def active_top_k(self) -> int:
+        """k in the current mode: `eval_top_k` in eval, where one is set."""
+        return self.top_k if self.training or self.eval_top_k is None else self.eval_top_k
+
+    def router_weights(self) -> list[nn.Parameter]:
+        return self.gate.router_weights()
+
+    def active_capacity_factor(self) -> float | None:
+        """c in the current mode: `eval_capacity_factor` in eval, unless it is "training"."""
+        if self.training or self.eval_capacity_factor == "training":
+            return self.capacity_factor
+        return self.eval_capacity_factor
 
     def capacity(self, items: int) -> int | None:
-        if self.capacity_factor is None:
+        factor = self.active_capacity_factor()
+        if factor is None:
             return None
-        return math.ceil(self.capacity_factor * self.top_k * items / self.num_experts)
+        return math.ceil(factor * self.active_top_k() * items / self.num_experts)
 
     def dispatched(self, items: int) -> int:
         """Items that importance-score routing keeps out of `items`."""
@@ -116,12 +232,12 @@ class TopKRouter(Router):
         return items * self.gate.macs_per_item()
 
     def experts_per_item(self, items: int, images: int) -> int:
-        return self.top_k
+        return self.active_top_k()
 
     def capacity_rows(self, items: int) -> float | None:
         """Expert rows per `items` (one image's) when every expert runs its full capacity in full routing
         groups (None when dropless): E * capacity(T_group) / images per group."""
-        if self.capacity_factor is None:
+        if self.active_capacity_factor() is None:
             return None
         images = self.group or 1  # `batch` is costed at the stats' batch, one image
         return self.num_experts * self.capacity(items * images) / images
@@ -131,66 +247,102 @@ class TopKRouter(Router):
         noisy = logits
         if self.training and self.noise_std > 0:
             noisy = logits + torch.randn_like(logits) * self.noise_std
-        probs = noisy.softmax(dim=-1)
-        weights, experts = probs.topk(self.top_k, dim=-1)
-        if self.normalize:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        load = smooth_load(logits, noisy, self.top_k, self.noise_std if self.training else 0.0, experts)
+        top_k = self.active_top_k()
+        balance = self.balance if self.training else None  # eval ignores the bias
+        probs, weights, experts = choose_experts(noisy, top_k, score=self.score, normalize=self.normalize,
+                                                 scale=self.scale, balance=balance, expert_groups=self.expert_groups)
+        if balance is not None:
+            balance.count(experts)
+        if balance is not None or self.expert_groups is not None:
+            load = load_counts(experts, self.num_experts)  # the noise model's smooth load knows no bias or groups
+        else:
+            load = smooth_load(logits, noisy, top_k, self.noise_std if self.training else 0.0, experts)
         groups = Groups.of(x.shape[0], images, self.group, self.training)
         dispatched = None
         if self.drop_fraction > 0:  # the lowest top-1 gates of each group
             dropped = groups.per_group([math.floor(self.drop_fraction * n) for n in groups.sizes()], x.device)
             rank = groups.rank(weights[:, 0], x.device)
             dispatched = rank >= dropped[groups.of_item(x.device)]
-        capacity = None if self.capacity_factor is None else [self.capacity(n) for n in groups.sizes()]
+        capacity = None if self.active_capacity_factor() is None else [self.capacity(n) for n in groups.sizes()]
         pairs = group_pairs(experts, weights, self.num_experts, priority=weights[:, 0] if self.bpr else None,
                             capacity=capacity, groups=groups, dispatched=dispatched)
         return Routing(probs, logits, pairs.item, pairs.counts, pairs.weights.to(x.dtype), experts[:, 0], weights[:, 0],
                        load, pairs.kept, pairs.expert, tail=pairs.tail, position=pairs.position)
 
-
     def extra_repr(self) -> str:
         extras = [("normalize=True", self.normalize), (f"noise_std={self.noise_std:g}", self.noise_std > 0),
                   (f"capacity_factor={self.capacity_factor}", self.capacity_factor is not None),
                   ("bpr=True", self.bpr), (f"drop_fraction={self.drop_fraction:g}", self.drop_fraction > 0),
-                  (f"group={self.group}", self.capacity_factor is not None or self.drop_fraction > 0)]
+                  (f"group={self.group}", self.capacity_factor is not None or self.drop_fraction > 0),
+                  (f"score={self.score}", self.score != "softmax"), (f"scale={self.scale:g}", self.scale != 1.0),
+                  (f"expert_groups={self.expert_groups}", self.expert_groups is not None),
+                  (f"eval_top_k={self.eval_top_k}", self.eval_top_k is not None),
+                  (f"eval_capacity_factor={self.eval_capacity_factor}", self.eval_capacity_factor != "training")]
         return ", ".join([f"experts={self.num_experts}, top_k={self.top_k}"] + [text for text, on in extras if on])
+
+
+def limit_to_groups(scores: torch.Tensor, count: int, top: int) -> torch.Tensor:
+    """Group-limited routing (DeepSeek-V3): `scores` [T, E] with the experts outside each item's `top` best of
+    `count` expert groups set to -inf. A group's score is the sum of its two highest scores (one, for groups of
+    one expert), as in DeepSeek-V3's and torchtitan's routers."""
+    items, experts = scores.shape
+    grouped = scores.view(items, count, experts // count)
+    group_scores = grouped.topk(min(2, experts // count), dim=-1).values.sum(dim=-1)  # [T, G]
+    kept = group_scores.topk(top, dim=-1).indices
+    mask = torch.ones(items, count, dtype=torch.bool, device=scores.device).scatter_(1, kept, False)
+    return grouped.masked_fill(mask.unsqueeze(-1), float("-inf")).view(items, experts)
 
 
 class ImageRouter(Router):
     """Image-level routing (ViMoE): the gate reads one vector per image, the [CLS] token (`pool="cls"`,
     the first token of each image's sequence) or the mean token, and picks top-k experts for every token
-    of that image.
+    of that image. `score`, `scale`, `bias_rate`, `expert_groups` and `eval_top_k` are `TopKRouter`'s, per image.
     """
 
-    def __init__(self, gate: nn.Module, num_experts: int, top_k: int, *, normalize: bool = False, pool: str = "cls"):
+    def __init__(self, gate: nn.Module, num_experts: int, top_k: int, *, normalize: bool = False, pool: str = "cls",
+                 score: str = "softmax", scale: float = 1.0, bias_rate: float | None = None,
+                 expert_groups: tuple[int, int] | None = None, eval_top_k: int | None = None):
         super().__init__()
         self.gate, self.num_experts, self.top_k = gate, num_experts, top_k
-        self.normalize, self.pool = normalize, pool
+        self.normalize, self.pool, self.score, self.scale = normalize, pool, score, scale
+        self.expert_groups, self.eval_top_k = expert_groups, eval_top_k
+        self.balance = BalancingBias(num_experts, bias_rate) if bias_rate is not None else None
+
+    def active_top_k(self) -> int:
+        """k in the current mode: `eval_top_k` in eval, where one is set."""
+        return self.top_k if self.training or self.eval_top_k is None else self.eval_top_k
+
+    def router_weights(self) -> list[nn.Parameter]:
+        return self.gate.router_weights()
 
     def gate_macs(self, items: int, images: int) -> int:
         return images * self.gate.macs_per_item()  # one decision per image
 
     def experts_per_item(self, items: int, images: int) -> int:
-        return self.top_k  # every token goes where its image goes
+        return self.active_top_k()  # every token goes where its image goes
 
     def forward(self, x: torch.Tensor, images: int = 1) -> Routing:
         per_image = x.reshape(images, items_per_image(x.shape[0], images), x.shape[-1])
         vectors = per_image[:, 0] if self.pool == "cls" else per_image.mean(dim=1)
         logits = at_least_fp32(self.gate(vectors))
-        probs = logits.softmax(dim=-1)
-        weights, experts = probs.topk(self.top_k, dim=-1)
-        if self.normalize:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+        balance = self.balance if self.training else None  # eval ignores the bias
+        probs, weights, experts = choose_experts(logits, self.active_top_k(), score=self.score,
+                                                 normalize=self.normalize, scale=self.scale, balance=balance,
+                                                 expert_groups=self.expert_groups)
+        if balance is not None:
+            balance.count(experts)  # one choice per image: the loads are images
         tokens = per_image.shape[1]
         token_experts = experts.repeat_interleave(tokens, dim=0)
         pairs = group_pairs(token_experts, weights.repeat_interleave(tokens, dim=0), self.num_experts)
         return Routing(probs, logits, pairs.item, pairs.counts, pairs.weights.to(x.dtype), experts[:, 0], weights[:, 0],
                        load_counts(experts, self.num_experts), pairs.kept, pairs.expert, position=pairs.position)
 
-
     def extra_repr(self) -> str:
-        return f"experts={self.num_experts}, top_k={self.top_k}, normalize={self.normalize}, pool={self.pool}"
+        extras = [(f"score={self.score}", self.score != "softmax"), (f"scale={self.scale:g}", self.scale != 1.0),
+                  (f"expert_groups={self.expert_groups}", self.expert_groups is not None),
+                  (f"eval_top_k={self.eval_top_k}", self.eval_top_k is not None)]
+        return ", ".join([f"experts={self.num_experts}, top_k={self.top_k}, normalize={self.normalize}, "
+                          f"pool={self.pool}"] + [text for text, on in extras if on])
 
 
 class ExpertChoiceRouter(Router):
@@ -203,6 +355,9 @@ class ExpertChoiceRouter(Router):
         super().__init__()
         self.gate, self.num_experts, self.capacity_per_item = gate, num_experts, capacity
         self.group = group
+
+    def router_weights(self) -> list[nn.Parameter]:
+        return self.gate.router_weights()
 
     def capacity(self, items: int) -> int:
         return min(items, max(1, round(self.capacity_per_item * items / self.num_experts)))

@@ -9,6 +9,20 @@ For each sequence X [N, C] of one image, with n experts of p slots each (S = n *
     Y = C Y~                                        [N, C']  Y~ = the experts' slot outputs
 
 No token is dropped, there is no load-balancing loss, and the cost follows the number of slots, not experts.
+
+The routing ablations of the paper (Puigcerver et al. 2024, Table 2) replace D or C by fixed weights (the
+spec's `dispatch` / `combine`, whose learned weights it calls soft):
+
+    dispatch  learned   D = softmax over tokens of the logits
+              uniform   D = 1 / N: every slot is the mean of all tokens
+              identity  D = I: slot i is token i (needs S = N)
+    combine   learned   C = softmax over slots of the logits
+              uniform   C = 1 / S: every output token is the mean of all slot outputs
+              identity  C = I: token i's output is slot i's (needs S = N)
+
+Identity routing is the paper's "Identity" row (dispatch and combine identity); "Uniform" is uniform / uniform,
+"Soft-Uniform" learned dispatch with uniform combine, "Uniform-Soft" the reverse. Without a learned side the
+layer has no phi and no scale: nothing is learned about routing.
 """
 
 from __future__ import annotations
@@ -33,16 +47,19 @@ class SoftMoE(MoELayer):
         slots_per_expert: p.
         shared: always-active experts added to the output, or None.
         channels_dim: -1 for [..., C] inputs, 1 for [B, C, H, W].
+        dispatch: `learned`, `uniform` or `identity` dispatch weights D (module docstring).
+        combine: `learned`, `uniform` or `identity` combine weights C.
     """
 
     def __init__(self, experts: Experts, slots_per_expert: int = 1, shared: Experts | None = None, *,
-                 channels_dim: int = -1):
+                 channels_dim: int = -1, dispatch: str = "learned", combine: str = "learned"):
         super().__init__()
         self.experts, self.shared, self.channels_dim = experts, shared, channels_dim
-        self.slots_per_expert = slots_per_expert
-        slots = experts.num_experts * slots_per_expert
-        self.phi = nn.Parameter(torch.empty(experts.in_features, slots))
-        self.scale = nn.Parameter(torch.empty(()))
+        self.slots_per_expert, self.dispatch, self.combine = slots_per_expert, dispatch, combine
+        self.phi = self.scale = None
+        if "learned" in (dispatch, combine):  # the logits
+            self.phi = nn.Parameter(torch.empty(experts.in_features, self.slots))
+            self.scale = nn.Parameter(torch.empty(()))
         self.reset_parameters()
         self.aux_losses: dict[str, torch.Tensor] = {}  # Soft MoE needs no load balancing
         self.last_dispatch: torch.Tensor | None = None  # [B, N, S] of the last forward
@@ -55,12 +72,13 @@ class SoftMoE(MoELayer):
 
     def reset_parameters(self) -> None:
         """phi and the scale only; the expert banks reset themselves."""
-        nn.init.normal_(self.phi, std=self.experts.in_features ** -0.5)  # LeCun normal, as in the paper
-        nn.init.ones_(self.scale)
+        if self.phi is not None:
+            nn.init.normal_(self.phi, std=self.experts.in_features ** -0.5)  # LeCun normal, as in the paper
+            nn.init.ones_(self.scale)
 
     @property
     def slots(self) -> int:
-        return self.phi.shape[1]
+        return self.experts.num_experts * self.slots_per_expert
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.run_pre(x)
@@ -89,13 +107,32 @@ class SoftMoE(MoELayer):
         return y if channels_last is x else y.movedim(-1, self.channels_dim)
 
     def weights(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Dispatch (softmax over tokens) and combine (softmax over slots) weights, both [B, N, S]."""
-        logits = torch.einsum("bnc,cs->bns", F.normalize(tokens, dim=-1), self.scale * F.normalize(self.phi, dim=0))
-        return logits.softmax(dim=1), logits.softmax(dim=2)
+        """Dispatch and combine weights, both [B, N, S]: softmax of the logits over tokens and over slots (learned),
+        or the fixed weights of a `uniform` or `identity` side."""
+        images, count, slots = tokens.shape[0], tokens.shape[1], self.slots
+        if "identity" in (self.dispatch, self.combine) and count != slots:
+            raise ValueError(f"identity routing sends token i to slot i, so it needs as many slots as tokens: "
+                                 f"{count} tokens per image, but {self.num_experts} experts x "
+                                 f"{self.slots_per_expert} slots_per_expert = {slots} slots; make experts x "
+                                 f"slots_per_expert = {count}")
+        logits = None
+        if self.phi is not None:
+            logits = torch.einsum("bnc,cs->bns", F.normalize(tokens, dim=-1),
+                                  self.scale * F.normalize(self.phi, dim=0))
+
+        def fixed(kind: str, learned: int) -> torch.Tensor:
+            if kind == "learned":
+                return logits.softmax(dim=learned)
+            if kind == "uniform":  # 1 / N over tokens (dispatch), 1 / S over slots (combine)
+                return tokens.new_full((images, count, slots), 1.0 / (count if learned == 1 else slots))
+            return torch.eye(count, slots, dtype=tokens.dtype, device=tokens.device).expand(images, count, slots)
+
+        return fixed(self.dispatch, 1), fixed(self.combine, 2)
 
     def router_weights(self) -> list[nn.Parameter]:
-        """The weights that decide the routing, which upcycling initializes afresh: phi (the scale stays 1)."""
-        return [self.phi]
+        """The weights that decide the routing, which upcycling initializes afresh: phi (the scale stays 1), none
+        without a learned side."""
+        return [] if self.phi is None else [self.phi]
 
     def routing_stats(self) -> dict[str, object] | None:
         """Slots per expert (every token reaches every slot), no drops, and the mean largest dispatch weight."""
@@ -116,11 +153,16 @@ class SoftMoE(MoELayer):
         return self.num_experts
 
     def activated_macs(self, items: int, images: int) -> int:
-        """Logits (T x C x S), dispatch D^T X and combine C Y~ (T x S x C each), and the S slot FFNs of each
-        image; shared experts on every token. l2-normalization and softmax are elementwise (not counted)."""
+        """Logits (T x C x S, where a side is learned), dispatch D^T X and combine C Y~ (T x S x C each: the layer
+        multiplies by fixed weights too), and the S slot FFNs of each image; shared experts on every token.
+        l2-normalization and softmax are elementwise (not counted)."""
         dim, out = self.experts.in_features, self.experts.out_features
         slot_ffns = images * self.slots * self.experts.macs_per_item()
-        return items * self.slots * (2 * dim + out) + slot_ffns + items * self.shared_macs()
+        logits = dim if self.phi is not None else 0
+        return items * self.slots * (logits + dim + out) + slot_ffns + items * self.shared_macs()
 
     def extra_repr(self) -> str:
-        return f"experts={self.num_experts}, slots_per_expert={self.slots_per_expert}, channels_dim={self.channels_dim}"
+        routing = "" if (self.dispatch, self.combine) == ("learned", "learned") else \
+            f", dispatch={self.dispatch}, combine={self.combine}"
+        return (f"experts={self.num_experts}, slots_per_expert={self.slots_per_expert}, "
+                f"channels_dim={self.channels_dim}{routing}")

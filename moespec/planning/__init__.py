@@ -3,13 +3,22 @@
 upcycler read nothing else.
 
     plan.py    Plan, LayerPlan, RescalePlan; plan(spec), plan_for(spec, model or sketch)
-    checks.py  what only the real model can tell: the input size it takes, the dense checkpoint file
+    checks.py  what only the real model can tell: the input size it takes, the dense checkpoint file, the items
+               each layer routes
     cache.py   backbone sketches kept between CLI runs: a backbone seen before needs no torch, no timm
 """
 
 from .cache import backbone_facts, cache_folder
-from .checks import INPUT_SIZE_ERRORS, checkpoint_problem, input_refusal, input_size_of, input_size_problem
+from .checks import (
+    INPUT_SIZE_ERRORS,
+    checkpoint_problem,
+    input_refusal,
+    input_size_of,
+    input_size_problem,
+    items_problems,
+)
 from .plan import LayerPlan, Plan, RescalePlan, plan, plan_for
 
 __all__ = ["INPUT_SIZE_ERRORS", "LayerPlan", "Plan", "RescalePlan", "backbone_facts", "cache_folder",
-           "checkpoint_problem", "input_refusal", "input_size_of", "input_size_problem", "plan", "plan_for"]
+           "checkpoint_problem", "input_refusal", "input_size_of", "input_size_problem", "items_problems", "plan",
+           "plan_for"]

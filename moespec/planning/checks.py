@@ -6,7 +6,7 @@ import types
 from typing import Any
 
 from ..errors import Problem, SpecError
-from ..spec import DENSE_SUFFIXES, BackboneSketch, Spec, located, spec_problem
+from ..spec import DENSE_SUFFIXES, BackboneSketch, FieldError, Spec, located, spec_problem
 
 
 def checkpoint_problem(spec: Spec) -> Problem | None:
@@ -82,3 +82,17 @@ def input_size_of(spec: Spec, sketch: BackboneSketch) -> tuple[int, int, int]:
             f"cannot tell the input size from img_size {size!r} / in_chans {kwargs.get('in_chans')!r}; give "
             f"img_size as an integer or [height, width], or set input_size", path="backbone.kwargs")))
     return (int(channels), int(height), int(width))
+
+
+def items_problems(spec: Spec, layers: Any, items_per_image: dict[str, int]) -> list[Problem]:
+    """Each router's checks against the items per image a forward or trace found at its layer (`path` ->
+    items), for the `planning.LayerPlan`s `layers`: Soft MoE's identity routing needs one slot per token."""
+    problems = []
+    for layer in layers:
+        if layer.path not in items_per_image:
+            continue
+        try:
+            layer.router.check_items(layer, items_per_image[layer.path])
+        except FieldError as error:
+            problems.append(spec_problem(spec, f"moe.{layer.group}.router.{error.field}", str(error)))
+    return problems

@@ -12,7 +12,7 @@ from pydantic import BeforeValidator, Field, model_validator
 
 from ..spec.fields import FloatRange, IntRange, SpecModel
 from ..spec.models import MAX_EXPERTS
-from ..spec.registry import Inspection
+from ..spec.registry import FieldError, Inspection
 
 if TYPE_CHECKING:  # torch and the layers are imported where used (see routers/__init__)
     from torch import nn
@@ -20,6 +20,9 @@ if TYPE_CHECKING:  # torch and the layers are imported where used (see routers/_
     from ..layers import Experts, MoE
 
 DEFAULT_GATE_DIM, DEFAULT_TEMPERATURE = 16, 0.07  # cosine / l2 gates (X-MoE, Chi et al. 2022)
+LEARNABLE_TEMPERATURE_INIT = 0.5
+"""`temperature: learnable` starts here: Swin-MoE's (Hwang et al. 2023) through Tutel's `CosineTopKGate(init_t=0.5)`
+(microsoft/tutel, `tutel/gates/cosine_top.py`), whose clamp keeps it at 0.01 or more (`layers.routers`)."""
 MAX_GROUP_IMAGES = 1_048_576
 """Images per routing group (2**20): more than any batch; V-MoE groups a device's batch (Riquelme et al. 2021)."""
 MAX_GATE_DIM = 65_536
@@ -33,6 +36,85 @@ take every item, and no layer has more than `MAX_EXPERTS` experts; Switch uses 1
 choice 1 or 2 (Zhou et al. 2022)."""
 
 
+MAX_BIAS_RATE = 1.0
+"""`bias_balance.rate`: DeepSeek-V3 uses 0.001 (DeepSeek-AI 2024); softmax and sigmoid scores lie in [0, 1], so a
+rate of 1 already moves a bias across the whole score range in one step."""
+MAX_ROUTE_SCALE = 100.0
+"""`scale`: DeepSeek-V3 uses 2.5 (torchtitan's `route_scale`); 100 x a combine weight of at most 1 is already far
+beyond any published setting."""
+
+
+class BiasBalance(SpecModel):
+    """Auxiliary-loss-free load balancing (DeepSeek-V3, DeepSeek-AI 2024; Wang et al. 2024): a per-expert bias,
+    added to the scores only to choose the top k in training (the combine weights stay the unbiased scores),
+    moves by `rate * sign(mean load - load_e)` once per optimizer step (`moespec.update_bias`). It is a buffer,
+    not a parameter: saved in checkpoints, untouched by the optimizer, unused in eval."""
+
+    rate: FloatRange(0.0, MAX_BIAS_RATE, low_open=True) = 0.001
+    """The bias update speed gamma; DeepSeek-V3: 0.001."""
+
+
+class ExpertGroups(SpecModel):
+    """Group-limited top-k (DeepSeek-V3's n_group / topk_group): the experts are `count` groups of E / count; each
+    item keeps the `top` groups with the highest group score (the sum of its two highest scores) and picks its
+    top k among their experts."""
+
+    count: IntRange(1, MAX_EXPERTS)
+    """G: expert groups; must divide the experts."""
+    top: IntRange(1, MAX_EXPERTS)
+    """g: groups each item may route to, 1 <= g <= G."""
+
+    @model_validator(mode="after")
+    def _top_within_count(self) -> "ExpertGroups":
+        if self.top > self.count:
+            raise FieldError("top", f"top ({self.top}) must be between 1 and count ({self.count})")
+        return self
+
+
+def check_choice(router: Any, num_experts: int) -> None:
+    """A top-k router's `top_k` and `eval_top_k` against the routed experts and its `groups`; a `FieldError`."""
+    for field, k in (("top_k", router.top_k), ("eval_top_k", router.eval_top_k)):
+        if k is not None and k > num_experts:
+            raise FieldError(field, f"{field} ({k}) must be between 1 and experts ({num_experts})")
+    if router.groups is None:
+        return
+    count, top = router.groups.count, router.groups.top
+    if num_experts % count:
+        raise FieldError("groups", f"groups.count ({count}) must divide experts ({num_experts}) into equal groups")
+    reachable = top * (num_experts // count)
+    for field, k in (("top_k", router.top_k), ("eval_top_k", router.eval_top_k)):
+        if k is not None and k > reachable:
+            raise FieldError(field, f"{field} ({k}) is more than the {reachable} experts of the groups.top ({top}) "
+                                    f"groups of {num_experts // count} an item may use; lower {field} or raise "
+                                    f"groups.top")
+
+
+def expert_groups(groups: ExpertGroups | None) -> tuple[int, int] | None:
+    """A `groups:` spec as the router modules take it: (G, g), or None."""
+    return None if groups is None else (groups.count, groups.top)
+
+
+def choice_caveats(router: Any, num_experts: int) -> list[str]:
+    """Why the top-k choice of top-k or image routing may not compute an upcycled layer's dense FFN."""
+    found = []
+    if not router.normalize and router.score == "softmax" and router.top_k < num_experts:
+        found.append(f"the top-{router.top_k} gates are not renormalized (normalize: false), so the FFN output is "
+                     f"scaled by the kept gate mass")
+    if router.scale != 1.0:
+        found.append(f"the combine weights are multiplied by scale ({router.scale:g}), and so is the FFN output")
+    return found
+
+
+def describe_choice(router: Any) -> list[tuple[str, bool]]:
+    """The plan-column labels of the options top-k and image routing share, each with whether it is shown."""
+    groups, bias = router.groups, router.bias_balance
+    return [("norm", router.normalize and router.score == "softmax"), ("sigmoid", router.score == "sigmoid"),
+            (f"scale={router.scale:g}", router.scale != 1.0),
+            (f"groups={groups.top}/{groups.count}" if groups else "", groups is not None),
+            (f"bias-balance={bias.rate:g}" if bias else "", bias is not None),
+            (f"eval-k={router.eval_top_k}", router.eval_top_k not in (None, router.top_k))]
+
+
 class Gate(SpecModel):
     """How router logits are computed from an item (Shazeer et al. 2017; X-MoE, Chi et al. 2022).
 
@@ -44,8 +126,9 @@ class Gate(SpecModel):
     kind: Literal["linear", "cosine", "l2"] = "linear"
     dim: Optional[IntRange(1, MAX_GATE_DIM)] = None
     """Projection width of cosine / l2 gates; default 16 (X-MoE)."""
-    temperature: Optional[FloatRange(*TEMPERATURES)] = None
-    """Divides cosine / l2 logits; default 0.07."""
+    temperature: Optional[Union[FloatRange(*TEMPERATURES), Literal["learnable"]]] = None
+    """Divides cosine / l2 logits; default 0.07. `learnable`: a learned temperature, as in Swin-MoE (Hwang et al.
+    2023, Tutel's cosine gate): it starts at 0.5 and never falls below 0.01."""
 
     @model_validator(mode="after")
     def _projection_only_for_cosine_l2(self) -> "Gate":
@@ -90,13 +173,16 @@ def build_gate(gate: Gate, dim: int, num_experts: int) -> nn.Module:
 
     if gate.kind == "linear":
         return LinearGate(dim, num_experts)
-    return ProjectedGate(dim, num_experts, proj_dim=gate.dim or DEFAULT_GATE_DIM,
-                         temperature=gate.temperature or DEFAULT_TEMPERATURE, metric=gate.kind)
+    learnable = gate.temperature == "learnable"
+    temperature = LEARNABLE_TEMPERATURE_INIT if learnable else gate.temperature or DEFAULT_TEMPERATURE
+    return ProjectedGate(dim, num_experts, proj_dim=gate.dim or DEFAULT_GATE_DIM, temperature=temperature,
+                         metric=gate.kind, learnable_temperature=learnable)
 
 
 def describe_gate(kind: str, gate: Gate) -> str:
-    """`topk/linear`, `image/cls/cosine`: the kind and the gate, the start of a plan's router column."""
-    return f"{kind}/{gate.kind}"
+    """`topk/linear`, `image/cls/cosine`, `topk/cosine(t=learnable)`: the kind and the gate, the start of a
+    plan's router column."""
+    return f"{kind}/{gate.kind}" + ("(t=learnable)" if gate.temperature == "learnable" else "")
 
 
 def sparse_moe(router: nn.Module, layer: Any, experts: Experts, shared: Experts | None) -> MoE:

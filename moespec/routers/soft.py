@@ -5,8 +5,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
+from pydantic import model_validator
+
 from ..spec.fields import IntRange
-from ..spec.registry import Inspection, RouterSpec, register_router_kind
+from ..spec.registry import FieldError, Inspection, RouterSpec, register_router_kind
 
 if TYPE_CHECKING:  # torch and the layers are imported where used (see routers/__init__)
     import torch
@@ -32,22 +34,52 @@ class SoftRouterSpec(RouterSpec):
 
     kind: Literal["soft"]
     slots_per_expert: IntRange(1, MAX_SLOTS_PER_EXPERT) = 1
+    dispatch: Literal["soft", "uniform", "identity"] = "soft"
+    """How slots mix tokens: `soft` (learned, softmax over tokens), `uniform` (every slot is the mean token) or
+    `identity` (slot i is token i; needs experts x slots_per_expert = tokens). The ablations of Puigcerver et
+    al. (2024), Table 2."""
+    combine: Literal["soft", "uniform", "identity"] = "soft"
+    """How output tokens mix slot outputs: `soft` (learned, softmax over slots), `uniform` (the mean slot output)
+    or `identity` (token i gets slot i's output); default `soft`, and `identity` with `dispatch: identity` (the
+    paper's Identity row)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _identity_combines_by_identity(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("dispatch") == "identity" and "combine" not in data:
+            data = {**data, "combine": "identity"}
+        return data
 
     title: ClassVar[str] = "Soft MoE"
     load_balanced: ClassVar[bool] = False
     inspection: ClassVar = Inspection(unit="token", share_label="share of the class's token outputs\n(combine weight "
                                       "mass)", tally=combine_mass)
 
+    def check_items(self, layer: Any, items_per_image: int) -> None:
+        slots = layer.num_experts * self.slots_per_expert
+        if "identity" in (self.dispatch, self.combine) and slots != items_per_image:
+            field = "dispatch" if self.dispatch == "identity" else "combine"
+            raise FieldError(field, f"{layer.path}: identity routing sends token i to slot i, so it needs one slot "
+                                    f"per token: {items_per_image} tokens per image, but experts x slots_per_expert "
+                                    f"= {layer.num_experts} x {self.slots_per_expert} = {slots}")
+
     def build(self, layer: Any, experts: Any, shared: Any) -> Any:
         from ..layers import SoftMoE  # torch: deferred (routers/__init__)
 
-        return SoftMoE(experts, self.slots_per_expert, shared, channels_dim=layer.channels_dim)
+        layer_name = {"soft": "learned"}  # the layer calls the learned weights what they are
+        return SoftMoE(experts, self.slots_per_expert, shared, channels_dim=layer.channels_dim,
+                       dispatch=layer_name.get(self.dispatch, self.dispatch),
+                       combine=layer_name.get(self.combine, self.combine))
 
     def describe(self, layer: Any) -> str:
-        return f"soft p={self.slots_per_expert}"
+        routing = (self.dispatch, self.combine)
+        return f"soft p={self.slots_per_expert}" + ("" if routing == ("soft", "soft") else
+                                                     f" dispatch={self.dispatch} combine={self.combine}")
 
     def activated_unit(self) -> str:
         return "per sequence (every slot sees every token)"
 
     def caveats(self, layer: Any) -> list[str]:
+        if (self.dispatch, self.combine) == ("identity", "identity"):
+            return ["identity routing sends each token through its own slot's expert: a different expert per token"]
         return ["Soft MoE feeds experts convex mixtures of all tokens, not each token itself"]

@@ -12,16 +12,25 @@ from ..spec.models import MAX_EXPERTS, MAX_NOISE_STD
 from ..spec.registry import FieldError, RouterSpec, register_router_kind
 from .gates import (
     MAX_CAPACITY_FACTOR,
+    MAX_ROUTE_SCALE,
     TOKENS,
+    BiasBalance,
+    ExpertGroups,
     Gate,
     GateField,
     RoutingGroup,
     build_gate,
+    check_choice,
+    choice_caveats,
+    describe_choice,
     describe_gate,
     describe_group,
+    expert_groups,
     images_per_group,
     sparse_moe,
 )
+
+CapacityFactor = FloatRange(0.0, MAX_CAPACITY_FACTOR, low_open=True)
 
 
 @register_router_kind
@@ -31,7 +40,7 @@ class TopKRouterSpec(RouterSpec):
     kind: Literal["topk"] = "topk"
     top_k: IntRange(1, MAX_EXPERTS) = 1
     """Experts per item k, 1 <= k <= experts."""
-    capacity_factor: Optional[FloatRange(0.0, MAX_CAPACITY_FACTOR, low_open=True)] = None
+    capacity_factor: Optional[CapacityFactor] = None
     """Each expert takes at most ceil(capacity_factor * top_k * T / experts) of T items; null = dropless."""
     group: RoutingGroup = None
     gate: GateField = Gate()
@@ -44,53 +53,81 @@ class TopKRouterSpec(RouterSpec):
     drop_fraction: Annotated[float, Field(ge=0, lt=1)] = 0.0
     """Importance-score routing (Sparse-MLP): the items with the lowest top-1 gate value, this fraction of
     them, are not dispatched at all."""
+    score: Literal["softmax", "sigmoid"] = "softmax"
+    """How logits become scores: `softmax` over the experts, or `sigmoid` of each (DeepSeek-V3), whose k chosen
+    scores are always renormalized to sum to 1 (so `normalize` matters for softmax only)."""
+    scale: FloatRange(0.0, MAX_ROUTE_SCALE, low_open=True) = 1.0
+    """Multiplies the combine weights (DeepSeek-V3's route scale, 2.5)."""
+    bias_balance: Optional[BiasBalance] = None
+    """Auxiliary-loss-free load balancing (DeepSeek-V3); pair it with `aux_loss: []`."""
+    groups: Optional[ExpertGroups] = None
+    """Group-limited top-k (DeepSeek-V3): `{count: G, top: g}`."""
+    eval_top_k: Optional[IntRange(1, MAX_EXPERTS)] = None
+    """k in eval mode (Tutel's per-call top_k); default: top_k."""
+    eval_capacity_factor: Optional[Union[CapacityFactor, Literal["dropless"]]] = None
+    """The capacity factor in eval mode (DeepSpeed's eval_capacity_factor), or `dropless`; default:
+    capacity_factor."""
 
     title: ClassVar[str] = "top-k"
     inspection: ClassVar = TOKENS
 
     @model_validator(mode="after")
     def _settings_fit(self) -> "TopKRouterSpec":
-        if self.bpr and self.capacity_factor is None:
+        capacity = self.capacity_factor is not None or isinstance(self.eval_capacity_factor, float)
+        if self.bpr and not capacity:
             raise FieldError("bpr", "bpr (batch prioritized routing) needs a capacity_factor; set one, e.g. 1.25, "
                                     "or remove bpr")
-        if self.group is not None and self.capacity_factor is None and self.drop_fraction == 0:
+        if self.group is not None and not capacity and self.drop_fraction == 0:
             raise FieldError("group", "group cannot matter here: dropless top-k without drops routes every item on its "
                                       "own (a capacity_factor or drop_fraction decides within the group); remove it")
+        if self.eval_capacity_factor == "dropless" and self.capacity_factor is None:
+            raise FieldError("eval_capacity_factor", "the router is dropless already (capacity_factor: null); remove "
+                                                     "eval_capacity_factor")
         return self
 
+    def eval_capacity(self) -> float | None:
+        """The capacity factor in eval mode (None: dropless)."""
+        if self.eval_capacity_factor is None:
+            return self.capacity_factor
+        return None if self.eval_capacity_factor == "dropless" else self.eval_capacity_factor
+
     def check_experts(self, num_experts: int) -> None:
-        if self.top_k > num_experts:
-            raise FieldError("top_k", f"top_k ({self.top_k}) must be between 1 and experts ({num_experts})")
+        check_choice(self, num_experts)
 
     def build(self, layer: Any, experts: Any, shared: Any) -> Any:
         from ..layers import TopKRouter  # torch: deferred (routers/__init__)
 
         noise = 1.0 / layer.num_experts if self.noise is True else float(self.noise)
+        eval_capacity = "training" if self.eval_capacity_factor is None else self.eval_capacity()
         module = TopKRouter(build_gate(self.gate, layer.in_features, layer.num_experts), layer.num_experts,
                             self.top_k, normalize=self.normalize, noise_std=noise,
                             capacity_factor=self.capacity_factor, bpr=self.bpr, drop_fraction=self.drop_fraction,
-                            group=images_per_group(self.group))
+                            group=images_per_group(self.group), score=self.score, scale=self.scale,
+                            bias_rate=self.bias_balance.rate if self.bias_balance is not None else None,
+                            expert_groups=expert_groups(self.groups), eval_top_k=self.eval_top_k,
+                            eval_capacity_factor=eval_capacity)
         return sparse_moe(module, layer, experts, shared)
 
     def describe(self, layer: Any) -> str:
-        capacity = self.capacity_factor is not None
-        extras = [("norm", self.normalize), ("noise", bool(self.noise)), ("bpr", self.bpr),
-                  (f"drop={self.drop_fraction:g}", self.drop_fraction > 0),
-                  (f"cf={self.capacity_factor}", capacity),
-                  (describe_group(self.group), capacity or self.drop_fraction > 0)]
+        capacity = self.capacity_factor is not None or isinstance(self.eval_capacity_factor, float)
+        extras = describe_choice(self) + [
+            ("noise", bool(self.noise)), ("bpr", self.bpr), (f"drop={self.drop_fraction:g}", self.drop_fraction > 0),
+            (f"cf={self.capacity_factor}", self.capacity_factor is not None),
+            (f"eval-cf={self.eval_capacity() or 'dropless'}", self.eval_capacity() != self.capacity_factor),
+            (describe_group(self.group), capacity or self.drop_fraction > 0)]
         return " ".join([describe_gate("topk", self.gate)] + [label for label, on in extras if on])
 
     def picks(self) -> int:
         return self.top_k
 
+    def eval_picks(self) -> int:
+        return self.eval_top_k or self.top_k
+
     def report_name(self) -> str:
         return f"top-{self.top_k}"
 
     def caveats(self, layer: Any) -> list[str]:
-        found = []
-        if not self.normalize and self.top_k < layer.num_experts:
-            found.append(f"the top-{self.top_k} gates are not renormalized (normalize: false), so the FFN output is "
-                         f"scaled by the kept gate mass")
+        found = choice_caveats(self, layer.num_experts)
         if self.capacity_factor is not None or self.drop_fraction > 0:
             found.append("tokens dropped by the capacity factor or importance-score routing get no FFN output")
         return found

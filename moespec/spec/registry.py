@@ -90,6 +90,10 @@ class RouterSpec(SpecModel):
     def check_experts(self, num_experts: int) -> None:
         """Checks against the surgery group's routed expert count; raise a `FieldError` with the fix."""
 
+    def check_items(self, layer: Any, items_per_image: int) -> None:
+        """Checks against the items one image routes through the layer, known once the model has been traced (at
+        `moespec stats`); raise a `FieldError` with the fix."""
+
     def build(self, layer: Any, experts: Any, shared: Any) -> Any:
         """The MoE module (a `layers.MoELayer`) that replaces the FFN, around the expert banks `experts` and
         `shared` (None without shared experts)."""
@@ -107,6 +111,10 @@ class RouterSpec(SpecModel):
         """The `k` column of `moespec plan` and the stats' `top_k`: the experts an item picks. Kinds whose items
         pick nothing (the experts pick in expert choice; Soft MoE mixes) show 1."""
         return 1
+
+    def eval_picks(self) -> int:
+        """`picks` in eval mode (`eval_top_k` where a kind has one)."""
+        return self.picks()
 
     def report_name(self) -> str:
         """How `moespec inspect` names the router: `top-2`, `Soft MoE`."""

@@ -19,7 +19,7 @@ from ..spec import Spec
 from .checkpoint import load, output_dtype, spec_metadata
 from .dense import dense_model
 from .mapping import dense_to_moe
-from .upcycle import UpcycleReport, caveats, compare, upcycle_layer
+from .upcycle import UpcycleReport, caveats, check_items, compare, upcycle_layer
 
 MAX_SEED = 2**63 - 1
 
@@ -52,6 +52,7 @@ def upcycle_to_checkpoint(spec: Spec, output: str | Path, *, checkpoint: str | P
         generator = torch.Generator().manual_seed(seed)
         dense, source = dense_model(spec, checkpoint, trust_pickle=trust_pickle)
         plan = plan_for(spec, dense)
+        check_items(spec, plan, dense)
         _, ffns = dense_to_moe(plan, dense.state_dict())  # keeps the FFN weights once the MoE model replaces them
         model = compile_model(dense, plan, moe_device="meta")  # shares every other module with `dense`
         state = model.state_dict()

@@ -23,7 +23,7 @@ from torch import nn
 from ..backbones import adapter_named
 from ..compiler import create_model, moe_layers
 from ..errors import SpecError
-from ..planning import LayerPlan, Plan, plan_for
+from ..planning import LayerPlan, Plan, items_problems, plan_for
 from ..spec import Spec, spec_problem
 from .dense import dense_model
 from .mapping import dense_to_moe
@@ -97,12 +97,39 @@ def upcycle_with_report(spec: Spec, checkpoint: str | Path | None = None, *, see
         dense, source = dense_model(spec, checkpoint, trust_pickle=trust_pickle)
     generator = torch.Generator().manual_seed(seed)
     plan = plan_for(spec, dense)  # the plan `create_model` builds: the dense model is the spec's backbone
+    check_items(spec, plan, dense)
     model = create_model(spec)
     upcycle_into(model, spec, plan, dense.state_dict(), generator)
     if not check:
         return model, None
     report = compare(dense, model, plan.input_size, source, generator)
     return model.train(), dataclasses.replace(report, caveats=caveats(plan))
+
+
+@torch.no_grad()
+def check_items(spec: Spec, plan: Plan, dense: nn.Module) -> None:
+    """Each router's checks against the items per image its FFN receives (Soft MoE's identity routing needs one
+    slot per token), from one forward of the dense model at batch 1: a located spec error before anything is
+    built or written. FFNs of blocks that `rescale` rebuilds are not in the dense model and are not checked."""
+    items: dict[str, int] = {}
+
+    def record(layer: LayerPlan, module: nn.Module, args: tuple) -> None:
+        x = args[0]
+        items[layer.path] = x.numel() // x.shape[layer.channels_dim]
+
+    hooks = [dense.get_submodule(layer.path).register_forward_pre_hook(
+        lambda module, args, layer=layer: record(layer, module, args)) for layer in plan.layers
+        if plan.rebuilt(layer.path) is None]
+    training = dense.training
+    try:
+        dense.eval()(torch.zeros(1, *plan.input_size))
+    finally:
+        dense.train(training)
+        for hook in hooks:
+            hook.remove()
+    problems = items_problems(spec, plan.layers, items)
+    if problems:
+        raise SpecError(problems)
 
 
 def upcycle_into(model: nn.Module, spec: Spec, plan: Plan, dense: dict[str, torch.Tensor],

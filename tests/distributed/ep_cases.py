@@ -28,6 +28,11 @@ CASES: dict[str, tuple[dict, list[dict]]] = {
     "swiglu-norm": (EVA_SWIGLU_NORM, [{"where": EVERY, "experts": 4, "top_k": 2}]),
     "grn": (CONVNEXT_GRN, [{"where": {"stage_last": 2}, "experts": 4, "top_k": 1}]),
     "clamped-glu": (CLIPPED_GLU, [{"where": EVERY, "experts": 4, "top_k": 2}]),
+    # DeepSeek-V3's routing: sigmoid scores, a route scale, group-limited top-k and the balancing bias, updated
+    # from the global loads (the worker starts the bias random, so that it changes the choices)
+    "deepseek-v3": (VIT, [{"where": EVERY, "experts": 8, "aux_loss": [], "router": {
+        "kind": "topk", "top_k": 2, "score": "sigmoid", "scale": 2.5, "groups": {"count": 4, "top": 2},
+        "bias_balance": {"rate": 0.01}}}]),
     "topk2-fp32": (VIT, [{"where": EVERY, "experts": 4, "top_k": 2}]),  # in float32: equal to 1e-5
     # every gate weight 0: all logits tie, every item goes to expert 0, the other ranks receive no rows
     "one-expert": (VIT, [{"where": EVERY, "experts": 4, "top_k": 1}]),

@@ -44,6 +44,10 @@ def run_case(name: str, rank: int, world: int) -> dict:
         with torch.no_grad():
             for layer in moespec.moe_layers(reference).values():
                 layer.router.gate.weight.zero_()
+    for layer in moespec.moe_layers(reference).values():  # a balancing bias that changes the choices
+        if getattr(getattr(layer, "router", None), "balance", None) is not None:
+            bias = torch.randn(layer.num_experts, generator=torch.Generator().manual_seed(2))
+            layer.router.balance.expert_bias.copy_(bias)
     for layer in moespec.moe_layers(reference).values():  # clamp bounds that bite (a fresh bank's are infinite)
         if layer.experts.clamp is not None:
             layer.experts.clamp.copy_(torch.tensor([[-1.0, 1.2, -0.05, 0.04], [-1.5, 0.8, -0.04, 0.05],
@@ -65,6 +69,16 @@ def run_case(name: str, rank: int, world: int) -> dict:
     aux = moespec.aux_loss(model)
     (F.cross_entropy(out, y[mine]) + aux).backward()
     stats = [layer.routing_stats() for layer in moespec.moe_layers(model).values()]
+
+    biases = {path: layer.router.balance.expert_bias.clone() for path, layer in moespec.moe_layers(reference).items()
+              if getattr(getattr(layer, "router", None), "balance", None) is not None}
+    moespec.update_bias(reference)
+    moespec.update_bias(model)  # the loads of every rank's slice: the whole batch's
+    reference_layers = moespec.moe_layers(reference)
+    bias = max((float((layer.router.balance.expert_bias - reference_layers[path].router.balance.expert_bias).abs()
+                      .max()) for path, layer in moespec.moe_layers(model).items() if path in biases), default=0.0)
+    bias_moved = all(not torch.equal(reference_layers[path].router.balance.expert_bias, before)
+                     for path, before in biases.items())
 
     ref_params = dict(reference.named_parameters())
     banks = {f"{path}.experts": layer.experts for path, layer in moespec.moe_layers(model).items()}
@@ -89,6 +103,8 @@ def run_case(name: str, rank: int, world: int) -> dict:
         "stats_equal": counts == [s["tokens_per_expert"] for s in ref_stats] and all(
             abs(a["drop_fraction"] - b["drop_fraction"]) < 1e-12 and abs(a["mean_top1_gate"] - b["mean_top1_gate"])
             < 1e-6 for a, b in zip(stats, ref_stats, strict=True)),
+        "bias": bias,
+        "bias_moved": bias_moved,
         "counts": counts,
         "stats": stats, "ref_stats": ref_stats,
     }

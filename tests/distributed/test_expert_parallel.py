@@ -48,6 +48,8 @@ def _check(per_rank: list[dict], case: str) -> None:
         assert r["replicated_grad"] <= tolerance, f"rank {rank}: replicated gradients differ by {r['replicated_grad']}"
         assert r["expert_grad"] <= tolerance, f"rank {rank}: expert gradients differ by {r['expert_grad']}"
         assert r["stats_equal"], f"rank {rank}: routing_stats {r['stats']} != one process's {r['ref_stats']}"
+        assert r["bias"] <= tolerance, f"rank {rank}: the balancing bias differs from one process's by {r['bias']}"
+        assert r["bias_moved"], f"rank {rank}: update_bias left a balancing bias unchanged"
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -113,6 +113,9 @@ FLOATS = {  # field: a spec with the value there
     "moe.0.router.noise": in_group(lambda v: {"router": {"noise": v}}),
     "moe.0.router.capacity": in_group(lambda v: {"router": {"kind": "expert_choice", "capacity": v}}),
     "moe.0.router.gate.temperature": in_group(lambda v: {"router": {"gate": {"kind": "cosine", "temperature": v}}}),
+    "moe.0.router.scale": in_group(lambda v: {"router": {"scale": v}}),
+    "moe.0.router.bias_balance.rate": in_group(lambda v: {"router": {"bias_balance": {"rate": v}}}),
+    "moe.0.router.eval_capacity_factor": in_group(lambda v: {"router": {"eval_capacity_factor": v}}),
     "moe.0.aux_loss.weight": in_group(lambda v: {"aux_loss": {"weight": v}}),
     "upcycle.noise": lambda v: {"backbone": TINY_VIT, "upcycle": {"noise": v}},
     "aux_loss_backward_scale": lambda v: {"backbone": TINY_VIT, "aux_loss_backward_scale": v},
@@ -128,7 +131,7 @@ def test_a_huge_float_is_a_located_error(field):
 def test_a_tiny_temperature_is_refused():
     """Cosine logits divided by 1e-300 are inf in float32, and the softmax of them NaN."""
     problem = problem_of(FLOATS["moe.0.router.gate.temperature"](1e-300))
-    assert problem.message == "input should be greater than or equal to 0.001"
+    assert problem.message == "input should be greater than or equal to 0.001 or 'learnable'"
 
 
 @pytest.mark.parametrize("command", ["stats", "upcycle"])
