@@ -24,6 +24,7 @@ from ..backbones import adapter_named
 from ..compiler import create_model, moe_layers
 from ..errors import SpecError
 from ..planning import LayerPlan, Plan, plan_for
+from ..planning.forward_cost import refuse_costly_forward
 from ..spec import Spec, spec_problem
 from .dense import dense_model
 from .mapping import dense_to_moe
@@ -49,7 +50,8 @@ class UpcycleReport:
         lines = [f"function-preserving: {verdict} (max |dlogit| = {self.max_abs_logit_diff:.3g})"]
         if self.scope == "layers":
             lines = [f"function-preserving: {verdict} (max |dy| = {self.max_abs_logit_diff:.3g} over the MoE layers, "
-                     f"each against its dense FFN; the model is too large to compare whole)"]
+                     f"each against its dense FFN; the model, or a forward at its input size, is too large to compare "
+                     f"whole)"]
         if self.max_abs_logit == 0:
             lines = ["function-preserving: cannot tell (the dense logits are all 0, e.g. a zero-initialized head; "
                      "upcycle trained weights to check)"]
@@ -101,6 +103,8 @@ def upcycle_with_report(spec: Spec, checkpoint: str | Path | None = None, *, see
     upcycle_into(model, spec, plan, dense.state_dict(), generator)
     if not check:
         return model, None
+    refuse_costly_forward(spec, plan.input_size, "checking the upcycled logits", batch=COMPARED_BATCH,
+                          runner="a check", hint="use a smaller input size, or check=False")
     report = compare(dense, model, plan.input_size, source, generator)
     return model.train(), dataclasses.replace(report, caveats=caveats(plan))
 
@@ -174,9 +178,12 @@ def _fill(bank: nn.Module, experts: list[Callable[[], dict[str, torch.Tensor]]],
             params[name][local].add_(torch.randn(params[name].shape[1:], generator=generator), alpha=noise)
 
 
+COMPARED_BATCH = 2  # random inputs the logit check runs through both models
+
+
 @torch.no_grad()
 def compare(dense: nn.Module, model: nn.Module, input_size: tuple[int, int, int], source: str,
-            generator: torch.Generator, batch: int = 2) -> UpcycleReport:
+            generator: torch.Generator, batch: int = COMPARED_BATCH) -> UpcycleReport:
     """Max |logit difference| between the dense and the MoE model on one random batch, in eval mode."""
     x = torch.randn((batch, *input_size), generator=generator)
     dense_logits = dense.eval()(x)
