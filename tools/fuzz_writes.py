@@ -21,7 +21,8 @@ It then checks:
     next write    the next ordinary write (with force only where an output is there) succeeds, reads back, and
                   leaves only the outputs and the bystanders: nothing hidden behind
 
-and prints how each round ended and every failure, then a table per path. Exit 1 on any failure.
+and prints how each round ended (with "killed mid-write" where a kill left hidden files for the next write to
+clean up) and every failure, then a table per path. Exit 1 on any failure.
 """
 
 from __future__ import annotations
@@ -306,6 +307,7 @@ def _round(kind, folder: Path, rng: random.Random, seconds: float) -> tuple[str,
         code = os.waitstatus_to_exitcode(status)
         ended.append({0: "finished", REFUSED: "refused"}.get(code, f"failed ({code})"))
     failures = [f"a writer {how}" for how in ended if how.startswith("failed")]
+    debris = any(p.name.startswith(".") and p.name not in bystanders for p in folder.iterdir())
     allowed = {0} if old else {None}
     allowed |= set(values)
     try:
@@ -328,7 +330,9 @@ def _round(kind, folder: Path, rng: random.Random, seconds: float) -> tuple[str,
             failures.append(f"left after the next write: {left}")
     except Exception as error:  # noqa: BLE001
         failures.append(f"the next write failed: {type(error).__name__}: {error}"[:300])
-    return f"{'over an output' if old else 'none before'}, {len(writers)} writer(s): " + ", ".join(ended), failures
+    left = "; killed mid-write (hidden files left)" if debris else ""
+    return (f"{'over an output' if old else 'none before'}, {len(writers)} writer(s): " + ", ".join(ended) + left,
+            failures)
 
 
 def main() -> None:
