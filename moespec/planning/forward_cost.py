@@ -22,7 +22,7 @@ from ..backbones import create_backbone, placement
 from ..backbones.placement import MEMORY_SHARE
 from ..errors import SpecError
 from ..spec import Spec, spec_problem
-from .checks import input_refusal
+from .checks import input_refusal, input_size_problem
 
 MAX_FORWARD_MACS = 4 * 10**12
 """MACs of one forward that moespec may run: 24 x ViT-H/14 at 224 px (167 G), above SAM's ViT-H at 1,024 px
@@ -68,13 +68,15 @@ def forward_cost_problem(spec: Spec, input_size: tuple[int, int, int], *, batch:
                          runner: str = "a forward") -> str | None:
     """Why a forward of `spec`'s dense backbone on `batch` inputs of `input_size` on the CPU is more than this
     machine affords, with `held_bytes` more held beside it (a batch's images): "about X TMACs, more than the
-    4 T {runner} runs" or "about X of activations, more than 80% of this machine's memory (Y)". None when it
-    fits, or when the model does not take that input (its caller reports why)."""
+    4 T {runner} runs" or "about X of activations, more than 80% of this machine's memory (Y)"; None when it
+    fits. A model that does not take that input at all is a SpecError at `input_size` saying why (the forward
+    would fail)."""
     model = create_backbone(spec, device="meta")
     live, flops = LiveBytes(), FlopCounterMode(display=False)
     with flops, live:
-        if input_refusal(model, input_size, batch=batch) is not None:
-            return None
+        refusal = input_refusal(model, input_size, batch=batch)
+    if refusal is not None:
+        raise SpecError(input_size_problem(spec, input_size, refusal))
     macs, allowed = flops.get_total_flops() // 2, int(MEMORY_SHARE * placement.device_memory(torch.device("cpu")))
     peak = live.peak + held_bytes
     if macs > MAX_FORWARD_MACS:

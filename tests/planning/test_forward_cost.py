@@ -100,3 +100,26 @@ def test_the_library_upcycle_check_is_refused_where_its_forward_does_not_fit(mon
         upcycle_with_report(spec)
     model, report = upcycle_with_report(spec, check=False)
     assert report is None and isinstance(model, torch.nn.Module)
+
+
+@pytest.mark.parametrize("command", ["upcycle", "inspect"])
+def test_an_input_size_the_model_does_not_take_is_one_error_before_anything_is_written(tmp_path, command):
+    """A ViT built for 224 px with `input_size: [3, 96, 96]` (validate refuses it; compile builds it): upcycle's
+    check and inspect ran the forward and exited 1 ("internal error: AssertionError: Input height (96) doesn't
+    match model (224)"), upcycle after writing its output. Now it is the validate's error, and nothing is
+    written."""
+    from typer.testing import CliRunner
+
+    from moespec.cli import app
+
+    vit = {"model": "vit_small_patch16_224", "kwargs": {"depth": 1, "embed_dim": 32, "num_heads": 2}}
+    spec = write(tmp_path, make_spec(vit, MOE, input_size=[3, 96, 96]).to_yaml())
+    out = tmp_path / ("m.safetensors" if command == "upcycle" else "report")
+    extra = ["--images", str(_images(tmp_path))] if command == "inspect" else []
+    result = CliRunner().invoke(app, [command, str(spec), "-o", str(out), *extra])
+    assert result.exit_code == 2, result.output
+    assert result.output.strip() == (
+        f"moespec: error: {spec}:10:1: input_size: the model cannot take input size [3, 96, 96]: Input height (96) "
+        f"doesn't match model (224); models with a fixed input size take it as img_size (and in_chans) in "
+        f"backbone.kwargs"), result.output
+    assert not out.exists()
