@@ -1,23 +1,35 @@
-"""Fuzz the checkpoint write path (issue 37): random kill points x concurrent writers x shard layouts.
+"""Fuzz moespec's write paths (issue 37): random kill points x concurrent writers x layouts.
 
-    python tools/fuzz_writes.py [--rounds 60] [--seed 0]
+    python tools/fuzz_writes.py [--rounds 60] [--seed 0] [--paths checkpoint,report,plot,state]
 
-Each round writes a checkpoint (1, 2 or 4 shards), then starts one or two writers that rewrite it at once
-(each its own value and layout, with --force), and SIGKILLs each after a random delay. It then checks:
+The write paths, each through the library function its command calls:
 
-    one write     the path reads as the old checkpoint or one new write whole (never values of two writes)
-    folder        the folder reads as the path does
-    bystanders    the other files in the folder (another checkpoint's bytes, a user's file, a folder planted
-                  under a writer's temp name) are untouched
-    next write    an ordinary write (--force: a checkpoint is there) succeeds and leaves only the output's
-                  files and the bystanders
+    checkpoint  `compile` / `upcycle` / `moespec.save`: write_sharded, as 1, 2 or 4 shards
+    report      `inspect -o`: write_report, a folder (index.html, summary.json, a figure per layer)
+    plot        `sweep --plot` and every figure: save_figure, one file (atomic_output)
+    state       `moespec.distributed.save_state`: a DCP folder swapped in by renames
 
-and prints how each round ended and every failure. Exit 1 on any failure.
+Each round (`--rounds` per path) writes the output (value 0; for a report, plot or state, in a third of the
+rounds nothing is there before), then forks one or two writers that rewrite it at once (each its own value and,
+for a checkpoint, its own layout) and SIGKILLs each after a random delay (up to 1.5 times one write's time).
+It then checks:
+
+    one write     the path reads as the old output or one new write whole (never files of two writes); a
+                  path that was empty may stay empty
+    bystanders    the other entries in the folder (another output of the same kind, a user's file, folders
+                  planted under a writer's temp and moved-aside names, a live process's temp file) are untouched
+    next write    the next ordinary write (with force only where an output is there) succeeds, reads back, and
+                  leaves only the outputs and the bystanders: nothing hidden behind
+
+and prints how each round ended (with "killed mid-write" where a kill left hidden files for the next write to
+clean up) and every failure, then a table per path. Exit 1 on any failure.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import os
 import random
 import shutil
@@ -29,121 +41,339 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+torch.set_num_threads(1)  # before any op: a forked writer must not inherit an OpenMP pool
+
+import matplotlib  # noqa: E402
+
+matplotlib.use("Agg")
+
 SHARD_SIZES = {1: 1 << 30, 2: 5 << 20, 4: 3 << 20}  # bytes per shard for 1, 2 or 4 shards of 8 MB of tensors
-WRITER = """
-import sys, torch
-from moespec.io import TensorInfo, write_sharded
-path, value, size = sys.argv[1], float(sys.argv[2]), int(sys.argv[3])
-infos = [TensorInfo(f"t{i}", (256, 1024), torch.float32) for i in range(8)]
-print("ready", flush=True)
-sys.stdin.readline()
-write_sharded(path, infos, lambda info: torch.full(info.shape, value), {}, max_shard_size=size, force=True)
-print("done", flush=True)
-"""
+TINY_VIT = {"model": "vit_small_patch16_224",
+            "kwargs": {"depth": 2, "img_size": 32, "embed_dim": 32, "num_heads": 2, "num_classes": 10}}
+REFUSED = 3  # a writer's exit status when another writer's lock refused it
 
 
-def _write(path: Path, value: float, files: int) -> None:
-    import torch
-
-    from moespec.io import TensorInfo, write_sharded
-
-    infos = [TensorInfo(f"t{i}", (256, 1024), torch.float32) for i in range(8)]
-    write_sharded(path, infos, lambda info: torch.full(info.shape, value), {}, max_shard_size=SHARD_SIZES[files],
-                  force=True)
+def _dead_pid() -> int:
+    child = subprocess.Popen(["true"])
+    child.wait()
+    return child.pid
 
 
-def _read(path: Path) -> set[float]:
-    """The values a reader gets (`moespec.load`'s reading: `checkpoint_files` checks the shards' write ids)."""
-    import torch
-
-    from moespec.io import checkpoint_files, read_safetensors_into
-
-    _, files = checkpoint_files(path)
-    targets = {f"t{i}": torch.full((256, 1024), float("nan")) for i in range(8)}
-    for file in files:
-        read_safetensors_into(file, targets)
-    return {value for t in targets.values() for value in t.unique().tolist()}
+def _snapshot(entry: Path) -> object:
+    """What a bystander holds: a file's bytes, a folder's {name: snapshot}."""
+    if entry.is_dir() and not entry.is_symlink():
+        return {p.name: _snapshot(p) for p in sorted(entry.iterdir())}
+    return entry.read_bytes()
 
 
-def _round(folder: Path, rng: random.Random) -> tuple[str, list[str]]:
+class Checkpoints:
+    """write_sharded of 8 tensors of 1 MB, each the write's value, as 1, 2 or 4 shards."""
+
+    name, output = "checkpoint", "out.safetensors"
+
+    def __init__(self, rng: random.Random):
+        self.rng = rng
+
+    def write(self, path: Path, value: int, force: bool, files: int | None = None) -> None:
+        from moespec.io import TensorInfo, write_sharded
+
+        infos = [TensorInfo(f"t{i}", (256, 1024), torch.float32) for i in range(8)]
+        write_sharded(path, infos, lambda info: torch.full(info.shape, float(value)), {},
+                      max_shard_size=SHARD_SIZES[files or self.rng.choice([1, 2, 4])], force=force)
+
+    def read(self, path: Path) -> int | None:
+        """The value the path reads as (`moespec.load`'s reading: files held open, write ids checked), and the
+        folder must read the same."""
+        from moespec.io import open_checkpoint
+
+        if not path.exists() and not path.with_name(path.name + ".index.json").exists():
+            return None
+        values = set()
+        for where in (path, path.parent):
+            with open_checkpoint(where) as checkpoint:
+                targets = {f"t{i}": torch.full((256, 1024), float("nan")) for i in range(8)}
+                checkpoint.read_into(targets)
+            values.add(frozenset(v for t in targets.values() for v in t.unique().tolist()))
+        if len(values) != 1 or len(next(iter(values))) != 1:
+            raise AssertionError(f"mixed values, or the folder reads differently: {sorted(map(sorted, values))}")
+        return int(next(iter(next(iter(values)))))
+
+    def outputs(self, path: Path) -> list[Path]:
+        from moespec.io import checkpoint_files
+
+        index = path.with_name(path.name + ".index.json")
+        return [*([index] if index.exists() else []), *checkpoint_files(path)[1]]
+
+    def plant(self, folder: Path) -> None:
+        self.write(folder / "other.safetensors", 9, False, files=1)
+        (folder / "other.safetensors").rename(folder / "dense.bin")  # one checkpoint per folder: another kind
+        planted = folder / f".{self.output}.{_dead_pid()}.abcdefgh.tmp"  # a folder, unmarked, under a temp name
+        planted.mkdir()
+        (planted / "notes.txt").write_text("a user's")
+
+
+class Reports:
+    """write_report of one routing report (a tiny ViT's, two layers), its source naming the write."""
+
+    name, output = "report", "rep"
+
+    def __init__(self, rng: random.Random):
+        from PIL import Image
+
+        import moespec
+        from moespec.apps.inspection import find_images, inspect_routing
+
+        self.rng = rng
+        with tempfile.TemporaryDirectory() as tmp:
+            for label in ("cat", "dog"):
+                (Path(tmp) / label).mkdir()
+                Image.new("RGB", (32, 32), (40, 80, 120) if label == "cat" else (200, 10, 10)).save(
+                    Path(tmp) / label / "0.png")
+            spec = moespec.load_spec({"name": "fuzz", "backbone": TINY_VIT, "input_size": [3, 32, 32],
+                                      "moe": [{"where": {"every": 1}, "experts": 4, "top_k": 2}]})
+            self.report = inspect_routing(moespec.create_model(spec, seed=0), find_images(tmp))
+        self.references: dict[int, object] = {}
+
+    def write(self, path: Path, value: int, force: bool) -> None:
+        from moespec.apps.inspect_report import write_report
+
+        write_report(dataclasses.replace(self.report, source=f"write-{value}"), path, force=force)
+
+    def reference(self, value: int) -> object:
+        if value not in self.references:
+            with tempfile.TemporaryDirectory() as tmp:
+                self.write(Path(tmp) / "rep", value, False)
+                self.references[value] = _snapshot(Path(tmp) / "rep")
+        return self.references[value]
+
+    def read(self, path: Path) -> int | None:
+        if not path.exists():
+            return None
+        value = int(json.loads((path / "summary.json").read_text())["source"].removeprefix("write-"))
+        if _snapshot(path) != self.reference(value):
+            raise AssertionError(f"the report of write {value} is not whole: {sorted(_snapshot(path))}")
+        return value
+
+    def plant(self, folder: Path) -> None:
+        self.write(folder / "other-rep", 9, False)
+        for name in (f".{self.output}.{_dead_pid()}.abcdefgh.tmp", f".{self.output}.old-{_dead_pid()}",
+                     f".{self.output}.old-{os.getpid()}"):  # this process's pid: the next write's
+            (folder / name).mkdir()  # unmarked: a user's, whatever its name
+            (folder / name / "notes.txt").write_text("a user's")
+
+
+class Plots:
+    """save_figure of a load chart whose title names the write (`sweep --plot` writes through it too)."""
+
+    name, output = "plot", "plot.png"
+
+    def __init__(self, rng: random.Random):
+        self.rng = rng
+        self.references: dict[int, bytes] = {}
+
+    def write(self, path: Path, value: int, force: bool) -> None:
+        from moespec.apps.plots import load_figure, save_figure
+
+        save_figure(load_figure(f"write {value}", [0.1 * (i + 1) for i in range(8)]), path, force=force)
+
+    def read(self, path: Path) -> int | None:
+        if not path.exists():
+            return None
+        content = path.read_bytes()
+        for value in range(10):
+            if value not in self.references:
+                with tempfile.TemporaryDirectory() as tmp:
+                    self.write(Path(tmp) / "plot.png", value, False)
+                    self.references[value] = (Path(tmp) / "plot.png").read_bytes()
+            if content == self.references[value]:
+                return value
+        raise AssertionError(f"the figure is no write's whole figure ({len(content)} bytes)")
+
+    def plant(self, folder: Path) -> None:
+        self.write(folder / "other.png", 9, False)
+        planted = folder / f".{self.output}.{_dead_pid()}.abcdefgh.tmp"
+        planted.mkdir()
+        (planted / "notes.txt").write_text("a user's")
+        (folder / f".{self.output}.{os.getpid()}.livewrit.tmp").write_text("a live writer's temp file")
+
+
+class States:
+    """save_state in one process of a tiny ViT MoE model + AdamW, its weights base + the write's value."""
+
+    name, output = "state", "state"
+
+    def __init__(self, rng: random.Random):
+        import moespec
+
+        self.rng = rng
+        spec = moespec.load_spec({"name": "fuzz", "backbone": TINY_VIT, "input_size": [3, 32, 32],
+                                  "moe": [{"where": {"every": 1}, "experts": 2, "top_k": 1}]})
+        self.model = moespec.create_model(spec, seed=0)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
+        self.model(torch.randn(2, 3, 32, 32)).sum().backward()
+        self.optimizer.step()
+        self.base = {name: p.detach().clone() for name, p in self.model.named_parameters()}
+
+    def write(self, path: Path, value: int, force: bool) -> None:
+        import moespec.distributed as md
+
+        with torch.no_grad():
+            for name, p in self.model.named_parameters():
+                p.copy_(self.base[name] + value)
+        md.save_state(path, self.model, self.optimizer, extra={"step": value})
+
+    def read(self, path: Path) -> int | None:
+        import moespec.distributed as md
+        from moespec.errors import CheckpointError
+
+        try:
+            step = md.load_state(path, self.model, self.optimizer)["step"]
+        except CheckpointError:
+            if not path.exists():  # load_state finished what a killed save left: nothing was there
+                return None
+            raise
+        torn = [n for n, p in self.model.named_parameters() if not torch.equal(p.detach(), self.base[n] + step)]
+        if torn:
+            raise AssertionError(f"step {step} read with other weights: {torn[:2]}")
+        return step
+
+    def plant(self, folder: Path) -> None:
+        self.write(folder / "other-state", 9, False)
+        dead, live = _dead_pid(), os.getpid()
+        for name, file in {f".state.old-{dead}": "notes.txt", f".state.{dead}.abcdefgh.tmp": "notes.txt",
+                           f".state.old-{live}": "extra.json", f".state.{live}.zzzzzzzz.tmp": ".metadata"}.items():
+            (folder / name).mkdir()
+            (folder / name / file).write_text("not yours")
+
+
+for _kind in (Reports, Plots, States):
+    _kind.outputs = lambda self, path: [path]
+PATHS = {kind.name: kind for kind in (Checkpoints, Reports, Plots, States)}
+
+
+def _fork_writer(kind, path: Path, value: int) -> tuple[int, int]:
+    """A forked writer that writes `value` to `path` (with force) once the returned pipe is written to."""
+    go_read, go_write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        from moespec.errors import MoespecError
+
+        os.close(go_write)
+        os.read(go_read, 1)
+        code = 0
+        try:
+            kind.write(path, value, True)
+        except MoespecError as error:
+            code = REFUSED if "another moespec process" in str(error) else 2
+            print(f"writer {value}: {error}"[:300], file=sys.stderr)
+        except BaseException as error:  # noqa: BLE001 - a fuzzer reports what it finds
+            print(f"writer {value}: {type(error).__name__}: {error}"[:300], file=sys.stderr)
+            code = 1
+        os._exit(code)
+    os.close(go_read)
+    return pid, go_write
+
+
+def _round(kind, folder: Path, rng: random.Random, seconds: float) -> tuple[str, list[str]]:
     """One round; (how it ended, failures)."""
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir()
-    path = folder / "out.safetensors"
-    _write(folder / "other.safetensors", 9.0, 1)
-    (folder / "other.safetensors").rename(folder / "dense.bin")  # a checkpoint of another kind (one per folder)
+    path = folder / kind.output
     (folder / "notes.txt").write_text("a user's")
-    planted = folder / f".out.safetensors.{rng.randrange(400000, 500000)}.abcdefgh.tmp"
-    planted.mkdir()
-    (planted / "notes.txt").write_text("a user's")
-    bystanders = {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()}
-    _write(path, 0.0, rng.choice([1, 2, 4]))
-    writers = []
-    for value in range(1, rng.choice([1, 2]) + 1):
-        proc = subprocess.Popen([sys.executable, "-c", WRITER, str(path), str(float(value)),
-                                 str(SHARD_SIZES[rng.choice([1, 2, 4])])], stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT)
-        assert proc.stdout.readline().strip() == "ready"
-        writers.append(proc)
-    for proc in writers:
-        proc.stdin.write("go\n")
-        proc.stdin.flush()
-    deadline = [time.monotonic() + rng.uniform(0.0, 1.0) for _ in writers]
+    kind.plant(folder)
+    bystanders = {p.name: _snapshot(p) for p in folder.iterdir()}
+    old = kind.name == "checkpoint" or rng.random() < 2 / 3
+    if old:
+        kind.write(path, 0, False)
+    values = list(range(1, rng.choice([1, 2]) + 1))
+    writers = [_fork_writer(kind, path, value) for value in values]
+    for _, go in writers:
+        os.write(go, b"g")
+        os.close(go)
+    start = time.monotonic()
     ended = []
-    for proc, at in zip(writers, deadline, strict=True):
-        time.sleep(max(0.0, at - time.monotonic()))
-        killed = proc.poll() is None
-        if killed:
-            os.kill(proc.pid, signal.SIGKILL)
-        proc.wait()
-        ended.append("killed" if killed else "finished")
-    failures = []
+    for pid, _ in writers:
+        time.sleep(max(0.0, start + rng.uniform(0.0, 1.5 * seconds) - time.monotonic()))
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if not done:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            ended.append("killed")
+            continue
+        code = os.waitstatus_to_exitcode(status)
+        ended.append({0: "finished", REFUSED: "refused"}.get(code, f"failed ({code})"))
+    failures = [f"a writer {how}" for how in ended if how.startswith("failed")]
+    debris = any(p.name.startswith(".") and p.name not in bystanders for p in folder.iterdir())
+    allowed = {0} if old else {None}
+    allowed |= set(values)
     try:
-        got = _read(path)
-        if got not in ({0.0}, *({float(v)} for v in range(1, len(writers) + 1))):
-            failures.append(f"mixed or wrong values {sorted(got)}")
-        if _read(folder) != got:
-            failures.append("the folder reads differently from the path")
+        got = kind.read(path)
+        if got not in allowed:
+            failures.append(f"reads as write {got}, not one of {sorted(allowed, key=str)}")
     except Exception as error:  # noqa: BLE001 - a fuzzer reports what it finds
-        failures.append(f"unreadable: {type(error).__name__}: {error}"[:200])
+        failures.append(f"unreadable: {type(error).__name__}: {error}"[:300])
     for name, content in bystanders.items():
-        if not (folder / name).is_file() or (folder / name).read_bytes() != content:
+        if not (folder / name).exists() or _snapshot(folder / name) != content:
             failures.append(f"bystander {name} changed or removed")
-    if not (planted / "notes.txt").is_file():
-        failures.append("the folder planted under a temp name was removed")
     try:
-        _write(path, 5.0, rng.choice([1, 2, 4]))
-        if _read(path) != {5.0}:
+        there = path.exists() or path.with_name(path.name + ".index.json").exists()
+        kind.write(path, 5, there)
+        if kind.read(path) != 5:
             failures.append("the next write reads wrong")
-        left = sorted(p.name for p in folder.iterdir() if p.name not in bystanders and p != planted)
-        if any(name.startswith(".") for name in left):
+        outputs = {f.name for f in kind.outputs(path)}
+        left = sorted(p.name for p in folder.iterdir() if p.name not in bystanders and p.name not in outputs)
+        if left:
             failures.append(f"left after the next write: {left}")
     except Exception as error:  # noqa: BLE001
-        failures.append(f"the next write failed: {type(error).__name__}: {error}"[:200])
-    return f"{len(writers)} writer(s): " + ", ".join(ended), failures
+        failures.append(f"the next write failed: {type(error).__name__}: {error}"[:300])
+    left = "; killed mid-write (hidden files left)" if debris else ""
+    return (f"{'over an output' if old else 'none before'}, {len(writers)} writer(s): " + ", ".join(ended) + left,
+            failures)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=60)
+    parser.add_argument("--rounds", type=int, default=60, help="rounds per write path")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--paths", default=",".join(PATHS), help=f"comma-separated, of {', '.join(PATHS)}")
     args = parser.parse_args()
-    sys.path.insert(0, str(ROOT))
     rng = random.Random(args.seed)
-    outcomes: dict[str, int] = {}
-    failed = 0
+    total_failed = 0
     start = time.perf_counter()
+    summary = []
     with tempfile.TemporaryDirectory() as tmp:
-        for number in range(args.rounds):
-            ended, failures = _round(Path(tmp) / "round", rng)
-            outcomes[ended] = outcomes.get(ended, 0) + 1
-            for failure in failures:
-                print(f"round {number}: {ended}: FAIL {failure}", flush=True)
-            failed += bool(failures)
-    print(f"{args.rounds} rounds in {time.perf_counter() - start:.0f} s, {failed} with a failure")
-    for ended, count in sorted(outcomes.items()):
-        print(f"  {count:4d}  {ended}")
-    sys.exit(1 if failed else 0)
+        for name in args.paths.split(","):
+            kind = PATHS[name](rng)
+            timing = Path(tmp) / "timing"
+            timing.mkdir()
+            kind.write(timing / kind.output, 0, False)  # the first write pays for lazy imports
+            pid, go = _fork_writer(kind, timing / kind.output, 0)
+            began = time.perf_counter()
+            os.write(go, b"g")
+            os.close(go)
+            os.waitpid(pid, 0)
+            seconds = time.perf_counter() - began  # a forked writer's time: kills land before, during and after
+            shutil.rmtree(timing)
+            outcomes: dict[str, int] = {}
+            failed = 0
+            for number in range(args.rounds):
+                ended, failures = _round(kind, Path(tmp) / "round", rng, seconds)
+                outcomes[ended] = outcomes.get(ended, 0) + 1
+                for failure in failures:
+                    print(f"{name} round {number}: {ended}: FAIL {failure}", flush=True)
+                failed += bool(failures)
+            total_failed += failed
+            summary.append((name, args.rounds, failed, seconds, outcomes))
+    print(f"{sum(s[1] for s in summary)} rounds in {time.perf_counter() - start:.0f} s, {total_failed} with a failure")
+    for name, rounds, failed, seconds, outcomes in summary:
+        print(f"{name}: {rounds} rounds, {failed} with a failure (one write: {seconds:.2f} s)")
+        for ended, count in sorted(outcomes.items()):
+            print(f"  {count:4d}  {ended}")
+    sys.exit(1 if total_failed else 0)
 
 
 if __name__ == "__main__":

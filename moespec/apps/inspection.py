@@ -25,6 +25,7 @@ count `k` experts per token; an image's tokens together reach more.
 
 from __future__ import annotations
 
+import math
 import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -40,6 +41,7 @@ from ..compiler import create_model, moe_layers, plan_of
 from ..distributed import expert_group
 from ..errors import MoespecError
 from ..planning import Plan
+from ..planning.forward_cost import refuse_costly_forward
 from ..spec import RouterSpec, load_spec
 from ..spec.loading import SPEC_SUFFIXES
 from ..weights import load
@@ -217,6 +219,7 @@ def inspect_routing(model: nn.Module, folder: ImageFolder, *, batch_size: int = 
     tallies = {path: _Tally(len(folder.classes), layer.num_experts) for path, layer in layers.items()}
     images_per_class, skipped = [0] * len(folder.classes), []
     batches = [folder.files[i:i + batch_size] for i in range(0, len(folder.files), batch_size)]
+    _refuse_costly_batches(model, plan, len(batches[0]) if batches else 1)
     group = expert_group(model)  # experts sharded over ranks: each rank routes its share of the batches
     rank, world = (dist.get_rank(group), dist.get_world_size(group)) if group is not None else (0, 1)
     mine, rounds = batches[rank::world], -(-len(batches) // world)
@@ -254,6 +257,18 @@ def inspect_routing(model: nn.Module, folder: ImageFolder, *, batch_size: int = 
         activated_params_per_image=outside + sum(layer.experts_per_image * layer.params_per_expert
                                                  for layer in results),
         skipped=skipped, empty_classes=list(folder.empty_classes))
+
+
+def _refuse_costly_batches(model: nn.Module, plan: Plan, batch: int) -> None:
+    """Refuse, before any image is read, a batch whose forward (and images, each a float tensor at the input
+    size, held beside it) is more than this machine affords (`planning.forward_cost`)."""
+    spec = getattr(model, "moespec_spec", None)
+    if spec is None:
+        return
+    images = batch * math.prod(plan.input_size) * 4
+    refuse_costly_forward(spec, tuple(plan.input_size), f"routing a batch of {batch} image(s)", batch=batch,
+                          held_bytes=images, runner="a batch",
+                          hint="use a smaller batch size (--batch-size) or input size")
 
 
 def _sum_over_ranks(tallies, images_per_class: list[int], skipped: list[str], group

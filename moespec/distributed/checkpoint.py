@@ -9,50 +9,94 @@ checkpoint written at one world size loads at any other. Training state (model +
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
+from typing import Callable, TypeVar
 
 import torch
 import torch.distributed as dist
-from safetensors import safe_open
 from torch import nn
 
 from ..compiler import create_model, materialize, moe_layers
-from ..errors import MoespecError
-from ..io import check_castable, checkpoint_files, safetensors_shapes
+from ..errors import CheckpointError, MoespecError
+from ..io import WRITE_ID_KEY, CheckpointChanged, open_checkpoint
 from ..planning import plan_for
 from ..spec import Spec
-from ..weights import check_state_dict, read_spec
+from ..weights import READ_ATTEMPTS, SPEC_HASH_KEY, check_state_dict, embedded_spec
 from ..weights.dense import dense_model
 from ..weights.mapping import dense_to_moe
 from ..weights.upcycle import upcycle_layer
 from .sharding import check_divisible, expert_slices, require_process_group, shard_experts
+
+T = TypeVar("T")
 
 
 def load(path: str | Path, *, group: dist.ProcessGroup | None = None, device: str | torch.device = "cpu"
          ) -> nn.Module:
     """The model of a moespec checkpoint with its experts sharded over `group` (a collective): the backbone is
     built and read whole, each MoE layer's experts are built only for this rank and read from the file as
-    slices (`safe_open(...).get_slice(name)[first:last]`), never whole. In training mode."""
+    slices of the expert axis, never whole. In training mode.
+
+    Every rank reads one and the same write, spec and tensors: its files are held open from the moment the
+    spec is read (`io.open_checkpoint`), and the ranks compare the write ids they opened. A writer that
+    replaced the checkpoint meanwhile (files that changed, or ranks that opened different writes) makes every
+    rank read again, up to `READ_ATTEMPTS` times; a file that cannot be read is the same error on every rank."""
     require_process_group("moespec.distributed.load")
-    spec = read_spec(path)
-    model = create_model(spec, device=device, moe_device="meta")
-    _, files = checkpoint_files(path)
-    check_state_dict({name: shape for file in files for name, shape in safetensors_shapes(file).items()}, model,
-                     f"{path}")
-    world = dist.get_world_size(group)
-    check_divisible({p: layer.experts.num_experts for p, layer in moe_layers(model).items()}, world, f"{path}")
-    shard_experts(model, group)
-    for layer in moe_layers(model).values():
-        layer.to_empty(device=device)
-    state, slices = model.state_dict(), expert_slices(model)
-    with torch.no_grad():
-        for file in files:
-            with safe_open(str(file), framework="pt") as f:
-                for name in f.keys():
-                    check_castable(file, name, f.get_slice(name).get_dtype(), state[name].dtype)
-                    where = slices.get(name)
-                    state[name].copy_(f.get_slice(name)[where] if where is not None else f.get_tensor(name))
-    return model.train()
+    for attempt in range(1, READ_ATTEMPTS + 1):
+        model = _read_once(path, group, device, attempt)
+        if model is not None:
+            return model.train()
+    raise AssertionError("unreachable: the last attempt returns or raises")
+
+
+def _read_once(path: str | Path, group: dist.ProcessGroup | None, device: str | torch.device, attempt: int
+               ) -> nn.Module | None:
+    """One attempt of `load` on every rank: the model, or None when the ranks must read again."""
+    with contextlib.ExitStack() as stack:
+        checkpoint = _agreed(lambda: stack.enter_context(open_checkpoint(path)), group, attempt,
+                             lambda c: [c.metadata.get(WRITE_ID_KEY), c.metadata.get(SPEC_HASH_KEY)])
+        if checkpoint is None:
+            return None
+        model = create_model(embedded_spec(path, checkpoint.metadata), device=device, moe_device="meta")
+        check_state_dict(checkpoint.shapes(), model, f"{path}")
+        check_divisible({p: layer.experts.num_experts for p, layer in moe_layers(model).items()},
+                        dist.get_world_size(group), f"{path}")
+        shard_experts(model, group)
+        for layer in moe_layers(model).values():
+            layer.to_empty(device=device)
+        state, rows = model.state_dict(), expert_slices(model)
+        read = _agreed(lambda: checkpoint.read_into(state, rows) or True, group, attempt, lambda _: [])
+        return model if read else None
+
+
+def _agreed(step: Callable[[], T], group: dist.ProcessGroup | None, attempt: int, key: Callable[[T], list]
+            ) -> T | None:
+    """step() on every rank of `group`, and what the ranks make of it together: its result where every rank
+    succeeded with the same `key` (the write it read); None where any rank saw the checkpoint change or the
+    ranks read different writes (read again), or past `READ_ATTEMPTS` a `CheckpointChanged`; the lowest
+    failing rank's error on every rank where any failed, so that no rank waits in a collective for one that
+    raised."""
+    result, outcome = None, None
+    try:
+        result = step()
+        outcome = ["ok", key(result)]
+    except CheckpointChanged as error:
+        outcome = ["changed", str(error)]
+    except MoespecError as error:
+        outcome = ["error", str(error)]
+    outcomes: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(outcomes, outcome, group=group)
+    failed = next((o for o in outcomes if o[0] == "error"), None)
+    if failed is not None:
+        raise CheckpointError(failed[1])
+    changed = next((o for o in outcomes if o[0] == "changed"), None)
+    if changed is None and all(o == outcomes[0] for o in outcomes):
+        return result
+    if attempt == READ_ATTEMPTS:
+        raise CheckpointChanged(changed[1] if changed is not None else
+                                "the ranks read different writes of the checkpoint: a writer keeps replacing it; "
+                                "load it again when the writer is done")
+    return None
 
 
 def upcycle(spec: Spec, checkpoint: str | Path | None = None, *, seed: int = 0,

@@ -5,10 +5,12 @@
 
 A state folder holds DCP's `.metadata` and `__{rank}_{n}.distcp` files, `extra.json` (the caller's dict) and
 `spec.json` (the spec the model was compiled from, so that a state that does not fit says which spec it was
-saved with). Written under a temporary name `.{name}.{pid}.{random}.tmp`, it is swapped in by two renames with
-the old folder moved aside as `.{name}.old-{pid}`. A save killed between the two leaves no folder at `path`;
-the next save_state or load_state finishes the swap (`_recover`), and removes what a killed save left, but only
-folders named by a process that no longer runs and holding nothing but state files.
+saved with). Written under a temporary name `.{name}.{pid}@{host}.{random}.tmp`, it is swapped in by two renames
+with the old folder moved aside under a name no folder has, `.{name}.old-{pid}@{host}[.{random}]`. A save killed
+between the two leaves no folder at `path`; the next save_state or load_state finishes the swap (`_recover`),
+and removes what a killed save left, but only folders named by a process of this host that no longer runs and
+holding nothing but state files. Another host's (a folder shared over NFS) are never touched, whatever their
+pid (`io.atomic.owner_tag`); one that holds the only copy of the state is named in the error.
 
 Reading trusts the folder no more than a safetensors file: `.metadata` is a pickle, read by an unpickler that
 builds DCP's own metadata classes and nothing else, and never read when it is larger than the data it
@@ -44,7 +46,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from ..errors import CheckpointError, MoespecError
 from ..io import check_output
-from ..io.atomic import _alive, default_mode
+from ..io.atomic import OWNER, dead_owner, default_mode, foreign, owner_tag
 from ..weights import SPEC_HASH_KEY, spec_metadata
 from .sharding import expert_group, expert_slices
 
@@ -129,7 +131,7 @@ def _shared_temp_folder(path: Path, writer: bool) -> Path:
         try:
             check_output(path, force=True, folder=True)
             _recover(path)
-            tmp = tempfile.mkdtemp(prefix=f".{path.name}.{os.getpid()}.", suffix=".tmp", dir=path.absolute().parent)
+            tmp = tempfile.mkdtemp(prefix=f".{path.name}.{owner_tag()}.", suffix=".tmp", dir=path.absolute().parent)
             os.chmod(tmp, default_mode(directory=True))
             made = [tmp]
         except MoespecError as error:
@@ -147,16 +149,15 @@ def _shared_temp_folder(path: Path, writer: bool) -> Path:
 def _swap_in(tmp: Path, path: Path) -> None:
     """Rename the complete folder `tmp` to `path`, the old `path` moved aside first and removed after. Killed
     between the renames, `path` is missing: `_recover` renames `tmp` (complete) there."""
-    old = path.with_name(f".{path.name}.old-{os.getpid()}")
-    if old.exists() and _ours(old):  # this process's (or a dead one's with this pid): an earlier swap's leftover
-        shutil.rmtree(old)
     moved = path.exists()
+    old = None
     try:
-        if moved:
+        if moved:  # an empty folder under a name nothing has, that the rename replaces
+            old = Path(tempfile.mkdtemp(prefix=f".{path.name}.old-{owner_tag()}.", dir=path.absolute().parent))
             os.replace(path, old)
         os.replace(tmp, path)
     except OSError as error:
-        if moved and old.exists() and not path.exists():
+        if old is not None and old.exists() and not path.exists():
             os.replace(old, path)
         raise CheckpointError(f"{path}: cannot replace the training state ({error.strerror or error})") from None
     if moved:
@@ -169,35 +170,43 @@ def _recover(path: Path) -> None:
     none), and the killed save's other folders are removed. Only folders with the names a save gives them,
     named by a process that no longer runs, holding nothing but state files, are touched."""
     olds, temps = _leftovers(path)
-    for pid, old in olds.items():
-        if not path.exists():
-            new = next((t for t in temps.get(pid, []) if (t / EXTRA).is_file() and (t / METADATA).is_file()), old)
-            os.replace(new, path)
-        if old.exists():
-            shutil.rmtree(old)
-    for folders in temps.values():
+    elsewhere = [old for owner, found in olds.items() if foreign(owner[1]) for old in found]
+    if elsewhere and not path.exists():
+        raise CheckpointError(f"{path}: not there, and {elsewhere[0].name} beside it holds the training state that a "
+                              f"save_state on another host moved aside while it replaced it; that save may still "
+                              f"be running. If it is not, rename {elsewhere[0].name} back to {path.name}")
+    for owner, found in olds.items():
+        if foreign(owner[1]) or not dead_owner(*owner):
+            continue
+        for old in sorted(found, key=lambda f: f.stat().st_mtime, reverse=True):
+            complete = [t for t in temps.get(owner, []) if (t / EXTRA).is_file() and (t / METADATA).is_file()]
+            if not path.exists() and (complete or any(old.iterdir())):  # empty: made, then killed before the move
+                os.replace(complete[0] if complete else old, path)
+            if old.exists():
+                shutil.rmtree(old)
+    for owner, folders in temps.items():
         for tmp in folders:
-            if tmp.exists():
+            if dead_owner(*owner) and tmp.exists():
                 shutil.rmtree(tmp)
 
 
-def _leftovers(path: Path) -> tuple[dict[int, Path], dict[int, list[Path]]]:
-    """({pid: old folder}, {pid: [temp folders]}) next to `path` of save_states that no longer run."""
-    old_name = re.compile(re.escape(f".{path.name}.old-") + r"(\d+)\Z")
-    temp_name = re.compile(re.escape(f".{path.name}.") + r"(\d+)\.[a-z0-9_]{8}\.tmp\Z")  # tempfile.mkdtemp's
-    olds: dict[int, Path] = {}
-    temps: dict[int, list[Path]] = {}
+def _leftovers(path: Path) -> tuple[dict[tuple[str, str | None], list[Path]],
+                                    dict[tuple[str, str | None], list[Path]]]:
+    """({(pid, host): [old folders]}, {(pid, host): [temp folders]}) next to `path` of save_states that do not
+    run on this host (dead here, or on another host: `_recover` leaves those), holding only state files."""
+    name = re.escape(f".{path.name}.")
+    old_name = re.compile(name + rf"old-{OWNER}(?:\.[a-z0-9_]{{8}})?\Z")  # mkdtemp's 8 random, or none (older)
+    temp_name = re.compile(name + rf"{OWNER}\.[a-z0-9_]{{8}}\.tmp\Z")
+    olds: dict[tuple[str, str | None], list[Path]] = {}
+    temps: dict[tuple[str, str | None], list[Path]] = {}
     parent = path.absolute().parent
     if not parent.is_dir():
         return olds, temps
     for entry in parent.iterdir():
         match = old_name.match(entry.name) or temp_name.match(entry.name)
-        if match is None or _alive(int(match[1])) or not _ours(entry):
+        if match is None or not (foreign(match[2]) or dead_owner(match[1], match[2])) or not _ours(entry):
             continue
-        if match.re is old_name:
-            olds[int(match[1])] = entry
-        else:
-            temps.setdefault(int(match[1]), []).append(entry)
+        (olds if match.re is old_name else temps).setdefault((match[1], match[2]), []).append(entry)
     return olds, temps
 
 

@@ -4,16 +4,26 @@ One check says "exists; pass --force" for every output (`check_output`), and one
 (`atomic_output`), file or folder; its two halves (`temp_output`, `commit`) serve writes of several files.
 Temp files left by a writer that was killed are removed by the next write to the same path, and a folder it
 was replacing is put back by the next check of that path. One writer at a time holds the output (`lock`).
+
+Which leftovers are a killed writer's is told by their names: each carries its writer's pid and host
+(`owner_tag`: `{pid}@{host}`, the host as 8 hex digits of its name's sha256). A leftover is stale when its
+writer ran on this host and its pid no longer runs there. A leftover of another host (a folder shared over
+NFS) is never removed or moved, whatever its pid: a pid says nothing about a process on another machine.
+Where one blocks a write (the folder a writer on another host moved aside while it replaced the output, with
+no output left at the path), the write is refused with a message that names it. Names without a host (from
+moespec before host tags) are taken for this host's.
 """
 
 from __future__ import annotations
 
 import contextlib
 import glob
+import hashlib
 import os
 import random
 import re
 import shutil
+import socket
 import string
 import tempfile
 from pathlib import Path
@@ -21,6 +31,26 @@ from typing import Iterator
 
 from ..errors import MoespecError
 from .lock import lock_file, output_lock
+
+HOST_TAG = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
+OWNER = r"(\d+)(?:@([0-9a-f]{8}))?"
+"""A leftover's writer in its name: its pid and host (`owner_tag`); no host: a name from before host tags."""
+
+
+def owner_tag() -> str:
+    """How this process names its leftovers: `{pid}@{host}`, the host as 8 hex digits of its name's sha256."""
+    return f"{os.getpid()}@{HOST_TAG}"
+
+
+def foreign(host: str | None) -> bool:
+    """Whether a leftover whose name carries `host` (None: no host) was written on another host."""
+    return host is not None and host != HOST_TAG
+
+
+def dead_owner(pid: str, host: str | None) -> bool:
+    """Whether the writer named `{pid}@{host}` is gone: it ran on this host and its pid no longer runs here. A
+    writer on another host is never taken for dead."""
+    return not foreign(host) and not _alive(int(pid))
 
 
 def check_output(path: str | Path, force: bool, *, folder: bool = False) -> Path:
@@ -90,11 +120,11 @@ def atomic_output(path: str | Path, *, force: bool = False, folder: bool = False
 
 @contextlib.contextmanager
 def temp_output(path: Path, *, folder: bool = False) -> Iterator[Path]:
-    """A new temp file (or empty folder) next to `path`, `.{name}.{pid}.*.tmp`, so that the next write to
-    `path` removes it if this process dies; removed on exit unless `commit` renamed it. A folder where it
+    """A new temp file (or empty folder) next to `path`, `.{name}.{pid}@{host}.*.tmp`, so that the next write
+    to `path` removes it if this process dies; removed on exit unless `commit` renamed it. A folder where it
     cannot be made (no permission, disk full) is a user's problem: `MoespecError`."""
     remove_stale_temp_files(path)
-    prefix, parent = f".{path.name}.{os.getpid()}.", path.absolute().parent
+    prefix, parent = f".{path.name}.{owner_tag()}.", path.absolute().parent
     try:
         if folder:
             tmp = str(_marked_folder(parent, prefix))
@@ -124,13 +154,13 @@ def commit(tmp: Path, path: Path) -> None:
 
 
 def _replace_folder(new: Path, path: Path) -> None:
-    """Rename the complete folder `new` to `path`; an old `path` is moved aside first, to `.{name}.old-{pid}`
-    (marked as this writer's: `_mark`), and removed after. Killed between the two renames, the old folder is
-    put back by the next check of `path` (`_restore_folder`); killed after them, the next write removes it."""
+    """Rename the complete folder `new` to `path`; an old `path` is moved aside first, to a free name
+    `.{name}.old-{pid}@{host}[-xxxxxxxx]` (marked as this writer's: `_mark`), and removed after. Killed between
+    the two renames, the old folder is put back by the next check of `path` (`_restore_folder`); killed after
+    them, the next write removes it."""
     old = None
     if path.exists():
-        old = _old_folder(path, os.getpid())
-        _mark(old).touch()
+        old = _aside_folder(path)
         os.replace(path, old)
     os.replace(new, path)
     _mark(new).unlink(missing_ok=True)
@@ -167,19 +197,41 @@ def _marked_folder(parent: Path, prefix: str) -> Path:
     raise FileExistsError(f"{parent}: no free temp folder name for {prefix}")
 
 
-def _old_folder(path: Path, pid: int) -> Path:
-    return path.with_name(f".{path.name}.old-{pid}")
+def _aside_folder(path: Path) -> Path:
+    """A name that nothing has, `.{name}.old-{pid}@{host}` or with `-xxxxxxxx` after it, for the old folder at
+    `path`, its mark made first (exclusively: a folder already there under that name is never taken over)."""
+    for attempt in range(100):
+        suffix = "" if attempt == 0 else "-" + "".join(random.choices(string.ascii_lowercase + string.digits, k=8))
+        old = path.with_name(f".{path.name}.old-{owner_tag()}{suffix}")
+        try:
+            fd = os.open(_mark(old), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+        except FileExistsError:
+            continue
+        os.close(fd)
+        if not os.path.lexists(old):
+            return old
+        _mark(old).unlink()
+    raise FileExistsError(f"{path.parent}: no free name to move {path.name} aside")
+
+
+_OLD_SUFFIX = re.compile(rf"\.old-{OWNER}(?:-[a-z0-9]{{8}})?")  # what `_aside_folder` adds to `.{name}`
+
+
+def _writers_folders(path: Path) -> list[tuple[Path, bool]]:
+    """(folder, its writer is on another host) for the folders `.{name}.old-...` next to `path` that a writer
+    not running on this host moved aside (`_replace_folder`), marked as its own."""
+    found = []
+    for old in path.parent.glob(f".{glob.escape(path.name)}.old-*"):
+        match = _OLD_SUFFIX.fullmatch(old.name[len(path.name) + 1:])
+        if match is not None and old.is_dir() and not old.is_symlink() and _mark(old).is_file() \
+                and (foreign(match[2]) or not _alive(int(match[1]))):
+            found.append((old, foreign(match[2])))
+    return found
 
 
 def _dead_writers_folders(path: Path) -> list[Path]:
-    """The folders `.{name}.old-{pid}` next to `path` that a writer now dead moved aside (`_replace_folder`)."""
-    found = []
-    for old in path.parent.glob(f".{glob.escape(path.name)}.old-*"):
-        pid = old.name[len(path.name) + 6:]
-        if pid.isdigit() and old == _old_folder(path, int(pid)) and old.is_dir() and not old.is_symlink() \
-                and _mark(old).is_file() and not _alive(int(pid)):
-            found.append(old)
-    return found
+    """The folders next to `path` that a writer now dead, on this host, moved aside (`_replace_folder`)."""
+    return [old for old, elsewhere in _writers_folders(path) if not elsewhere]
 
 
 def _restore_folder(path: Path, *, locked: bool = False) -> None:
@@ -189,6 +241,12 @@ def _restore_folder(path: Path, *, locked: bool = False) -> None:
     (`locked`: the caller holds it)."""
     if not path.parent.is_dir():
         return
+    elsewhere = [old for old, foreign_host in _writers_folders(path) if foreign_host]
+    if elsewhere and not os.path.lexists(path):
+        raise MoespecError(f"{path}: not there, and {elsewhere[0].name} beside it holds the folder that a moespec "
+                           f"process on another host moved aside while it replaced it; that process may still be "
+                           f"writing. If it is not, rename {elsewhere[0].name} back to {path.name} (or remove it), "
+                           f"then run this again")
     if not (_dead_writers_folders(path) or _stale_temp_files(path) or _stale_marks(path) or lock_file(path).exists()):
         return
     with contextlib.nullcontext() if locked else output_lock(path):
@@ -210,12 +268,13 @@ def default_mode(directory: bool = False) -> int:
     return (0o777 if directory else 0o666) & ~umask
 
 
-_TEMP_SUFFIX = re.compile(r"\.(\d+)\.[a-z0-9_]{8}\.tmp")  # what `temp_output` adds to `.{name}`: pid, mkstemp's 8
+_TEMP_SUFFIX = re.compile(rf"\.{OWNER}\.[a-z0-9_]{{8}}\.tmp")  # what `temp_output` adds to `.{name}`: owner, 8 random
 
 
 def remove_stale_temp_files(path: Path) -> list[Path]:
-    """Remove the temp files (and folders) `.{name}.{pid}.xxxxxxxx.tmp` next to `path` whose writing process no
-    longer runs. One that this user may not remove (another user's, in a sticky folder) is left alone."""
+    """Remove the temp files (and folders) `.{name}.{pid}@{host}.xxxxxxxx.tmp` next to `path` whose writing
+    process, on this host, no longer runs; another host's are never removed. One that this user may not remove
+    (another user's, in a sticky folder) is left alone."""
     removed = []
     for tmp in _stale_temp_files(path):
         try:
@@ -238,7 +297,7 @@ def _stale_temp_files(path: Path) -> list[Path]:
     stale = []
     for tmp in path.parent.glob(f".{glob.escape(path.name)}.*.tmp"):
         match = _TEMP_SUFFIX.fullmatch(tmp.name[len(path.name) + 1:])
-        if match is not None and not _alive(int(match[1])) and (not tmp.is_dir() or _mark(tmp).is_file()):
+        if match is not None and dead_owner(match[1], match[2]) and (not tmp.is_dir() or _mark(tmp).is_file()):
             stale.append(tmp)
     return stale
 
@@ -249,8 +308,8 @@ def _stale_marks(path: Path) -> list[Path]:
     for mark in path.parent.glob(f".{glob.escape(path.name)}.*{WRITER_MARK}"):
         folder = mark.with_name(mark.name[: -len(WRITER_MARK)])
         rest = folder.name[len(path.name) + 1:]
-        match = _TEMP_SUFFIX.fullmatch(rest) or re.fullmatch(r"\.old-(\d+)", rest)
-        if match is not None and not _alive(int(match[1])) and not os.path.lexists(folder):
+        match = _TEMP_SUFFIX.fullmatch(rest) or _OLD_SUFFIX.fullmatch(rest)
+        if match is not None and dead_owner(match[1], match[2]) and not os.path.lexists(folder):
             found.append(mark)
     return found
 

@@ -178,31 +178,48 @@ def check_castable(path: str | Path, name: str, dtype: str, target: torch.dtype)
                               f"drop the imaginary parts")
 
 
-def read_safetensors_into(source: str | Path | SafetensorsFile, targets: Mapping[str, torch.Tensor]) -> None:
+def read_safetensors_into(source: str | Path | SafetensorsFile, targets: Mapping[str, torch.Tensor],
+                          rows: Mapping[str, slice] | None = None) -> None:
     """Read each tensor of a safetensors file (a path, or one held open) straight into `targets[name]`'s storage
     (cast if the dtypes differ), with plain reads rather than a memory map: memory holds the targets plus at
-    most one tensor. The offsets come from a header the safetensors library validated (`open_safetensors`)."""
+    most one tensor. The offsets come from a header the safetensors library validated (`open_safetensors`).
+    A tensor named in `rows` is read only for those rows (a slice of its first axis, such as one rank's
+    experts), one contiguous run of bytes."""
     if not isinstance(source, SafetensorsFile):
         with open_safetensors(source) as opened:
-            read_safetensors_into(opened, targets)
+            read_safetensors_into(opened, targets, rows)
         return
     path, header, start, f = source.path, source.header, source.start, source.handle
+    rows = rows or {}
     with torch.no_grad():
         for name, entry in header.items():
             if name == "__metadata__" or name not in targets:
                 continue
             target, dtype, (begin, end) = targets[name], READ_DTYPES[entry["dtype"]], entry["data_offsets"]
-            if tuple(target.shape) != tuple(entry["shape"]):
-                raise CheckpointError(f"{path}: {name} is {tuple(entry['shape'])} in the file but "
+            shape = list(entry["shape"])
+            if name in rows:
+                begin, end, shape = _row_span(path, name, shape, begin, end, rows[name])
+            if tuple(target.shape) != tuple(shape):
+                raise CheckpointError(f"{path}: {name} is {tuple(shape)} in the file but "
                                       f"{tuple(target.shape)} in the model")
             check_castable(path, name, entry["dtype"], target.dtype)
             same = target.dtype == dtype and target.is_contiguous() and target.device.type == "cpu"
-            buffer = target if same else torch.empty(entry["shape"], dtype=dtype)
+            buffer = target if same else torch.empty(shape, dtype=dtype)
             f.seek(start + begin)
             if f.readinto(memoryview(buffer.reshape(-1).view(torch.uint8).numpy())) != end - begin:
                 raise CheckpointError(f"{path}: {name} is cut short; is the file truncated?")
             if not same:
                 target.copy_(buffer)
+
+
+def _row_span(path: Path, name: str, shape: list[int], begin: int, end: int, rows: slice
+              ) -> tuple[int, int, list[int]]:
+    """The byte span and shape of rows `rows` (a step-1 slice of the first axis) of a tensor at [begin, end)."""
+    if not shape or rows.step not in (None, 1) or not 0 <= rows.start <= rows.stop <= shape[0]:
+        raise CheckpointError(f"{path}: {name} is {tuple(shape)} in the file; it has no rows "
+                              f"{rows.start}:{rows.stop} to read")
+    row_bytes = (end - begin) // shape[0] if shape[0] else 0
+    return begin + rows.start * row_bytes, begin + rows.stop * row_bytes, [rows.stop - rows.start, *shape[1:]]
 
 
 def safetensors_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:

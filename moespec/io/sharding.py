@@ -233,16 +233,17 @@ class Checkpoint:
         return {name: tuple(entry["shape"]) for file in self.opened for name, entry in file.header.items()
                 if name != "__metadata__"}
 
-    def read_into(self, targets: Mapping[str, torch.Tensor]) -> None:
-        """Read every tensor into `targets[name]` (`read_safetensors_into`). A shard read by name that is no
-        longer the index's write (a writer replaced it since the index was read) is a `CheckpointChanged`."""
+    def read_into(self, targets: Mapping[str, torch.Tensor], rows: Mapping[str, slice] | None = None) -> None:
+        """Read every tensor into `targets[name]` (`read_safetensors_into`; those in `rows` only for those rows
+        of their first axis). A shard read by name that is no longer the index's write (a writer replaced it
+        since the index was read) is a `CheckpointChanged`."""
         if self.opened is not None:
             for file in self.opened:
-                read_safetensors_into(file, targets)
+                read_safetensors_into(file, targets, rows)
             return
         for file in self.files:
             with _open_shard(self.path, file, self.metadata.get(WRITE_ID_KEY)) as shard:
-                read_safetensors_into(shard, targets)
+                read_safetensors_into(shard, targets, rows)
 
 
 MAX_HELD_FILES = 256  # shards held open at once by a reader, well under the usual limit of 1024 open files

@@ -2,10 +2,11 @@
 `Plan` (which FFNs become MoE layers, at which widths, with which router), numbers only. The compiler and the
 upcycler read nothing else.
 
-    plan.py    Plan, LayerPlan, RescalePlan; plan(spec), plan_for(spec, model or sketch)
-    checks.py  what only the real model can tell: the input size it takes, the dense checkpoint file, the items
-               each layer routes
-    cache.py   backbone sketches kept between CLI runs: a backbone seen before needs no torch, no timm
+    plan.py          Plan, LayerPlan, RescalePlan; plan(spec), plan_for(spec, model or sketch)
+    checks.py        what only the real model can tell: the input size it takes, the dense checkpoint file, the
+                     items each layer routes
+    forward_cost.py  what one forward on the CPU can afford: MACs and peak live bytes, measured on the meta device
+    cache.py         backbone sketches kept between CLI runs: a backbone seen before needs no torch, no timm
 """
 
 from .cache import backbone_facts, cache_folder

@@ -28,9 +28,9 @@ INPUT_SIZE_ERRORS = (AssertionError, RuntimeError, ValueError, TypeError, Overfl
 than the image is a RuntimeError, a size beyond int64 a TypeError."""
 
 
-def input_refusal(model: Any, input_size: tuple[int, int, int]) -> str | None:
-    """Run `model` (built on the meta device: shapes only) on one input of `input_size`; why it refuses it, in
-    one line, or None when it takes it."""
+def input_refusal(model: Any, input_size: tuple[int, int, int], *, batch: int = 1) -> str | None:
+    """Run `model` (built on the meta device: shapes only) on one input of `input_size` (or a batch of them);
+    why it refuses it, in one line, or None when it takes it."""
     import torch  # only with a model in hand: a plan from a cached sketch needs no torch
 
     rnns = [m for m in model.modules() if isinstance(m, torch.nn.RNNBase)]
@@ -38,7 +38,7 @@ def input_refusal(model: Any, input_size: tuple[int, int, int]) -> str | None:
         rnn.forward = types.MethodType(_rnn_shape, rnn)
     try:
         with torch.no_grad():
-            model(torch.empty(1, *input_size, device="meta"))
+            model(torch.empty(batch, *input_size, device="meta"))
     except INPUT_SIZE_ERRORS as error:
         return _reason(error)
     finally:

@@ -7,11 +7,23 @@
     checkpoint.py  save / load: safetensors with the spec inside
 """
 
-from .checkpoint import SPEC_HASH_KEY, SPEC_KEY, VERSION_KEY, load, output_dtype, read_spec, save, spec_metadata
+from .checkpoint import (
+    READ_ATTEMPTS,
+    SPEC_HASH_KEY,
+    SPEC_KEY,
+    VERSION_KEY,
+    embedded_spec,
+    load,
+    output_dtype,
+    read_spec,
+    save,
+    spec_metadata,
+)
 from .dense import check_state_dict, dense_model, read_state_dict, refuse_non_finite
 from .streaming import check_seed, upcycle_to_checkpoint
 from .upcycle import UpcycleReport, caveats, compare, upcycle, upcycle_into, upcycle_with_report
 
-__all__ = ["SPEC_HASH_KEY", "SPEC_KEY", "UpcycleReport", "VERSION_KEY", "caveats", "check_seed", "check_state_dict",
-           "compare", "dense_model", "load", "output_dtype", "read_spec", "read_state_dict", "refuse_non_finite",
-           "save", "spec_metadata", "upcycle", "upcycle_into", "upcycle_to_checkpoint", "upcycle_with_report"]
+__all__ = ["READ_ATTEMPTS", "SPEC_HASH_KEY", "SPEC_KEY", "UpcycleReport", "VERSION_KEY", "caveats", "check_seed",
+           "check_state_dict", "compare", "dense_model", "embedded_spec", "load", "output_dtype", "read_spec",
+           "read_state_dict", "refuse_non_finite", "save", "spec_metadata", "upcycle", "upcycle_into",
+           "upcycle_to_checkpoint", "upcycle_with_report"]

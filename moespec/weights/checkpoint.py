@@ -109,10 +109,10 @@ def spec_metadata(spec: Spec) -> dict[str, str]:
 def read_spec(path: str | Path) -> Spec:
     """The spec embedded in a moespec checkpoint (checked against its hash)."""
     metadata, _ = checkpoint_files(path)
-    return _embedded_spec(path, metadata)
+    return embedded_spec(path, metadata)
 
 
-def _embedded_spec(path: str | Path, metadata: dict[str, str]) -> Spec:
+def embedded_spec(path: str | Path, metadata: dict[str, str]) -> Spec:
     """The spec in a checkpoint's `metadata` (checked against its hash)."""
     spec_yaml = metadata.get(SPEC_KEY)
     if spec_yaml is None:
@@ -159,7 +159,7 @@ def _load_safetensors(path: str | Path, spec: Spec | None, device: str | torch.d
         try:
             with open_checkpoint(path) as checkpoint:
                 if model is None:
-                    wanted = spec or _embedded_spec(path, checkpoint.metadata)
+                    wanted = spec or embedded_spec(path, checkpoint.metadata)
                     # the file's shapes, checked on a build that allocates nothing, before the real build
                     check_state_dict(checkpoint.shapes(), create_model(wanted, device="meta"), f"{path}")
                     model = create_model(wanted, device=device)

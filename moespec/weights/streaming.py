@@ -15,11 +15,12 @@ from ..compiler import compile_model, materialize, moe_layers
 from ..errors import MoespecError
 from ..io import DEFAULT_MAX_SHARD_SIZE, TensorInfo, write_sharded
 from ..planning import Plan, plan_for
+from ..planning.forward_cost import forward_cost_problem
 from ..spec import Spec
 from .checkpoint import load, output_dtype, spec_metadata
 from .dense import dense_model
 from .mapping import dense_to_moe
-from .upcycle import UpcycleReport, caveats, check_items, compare, upcycle_layer
+from .upcycle import COMPARED_BATCH, UpcycleReport, caveats, check_items, compare, upcycle_layer
 
 MAX_SEED = 2**63 - 1
 
@@ -42,8 +43,9 @@ def upcycle_to_checkpoint(spec: Spec, output: str | Path, *, checkpoint: str | P
     filled from the dense FFN, written and freed, so peak memory is the dense model plus one MoE layer.
     Weights equal `upcycle(spec, checkpoint, seed=seed)`'s (cast to `dtype`). The check compares the logits
     of the written model, loaded back, with the dense model's (dense weights rounded to `dtype` too) when
-    the MoE model takes at most a quarter of this machine's memory, else each MoE layer against its dense
-    FFN as it is built. `on_layer(path, done, total)` is called after each MoE layer is written.
+    the MoE model takes at most a quarter of this machine's memory and a forward at the spec's input size fits
+    (`planning.forward_cost`), else each MoE layer against its dense FFN as it is built (on a few tokens,
+    whatever the input size). `on_layer(path, done, total)` is called after each MoE layer is written.
     Returns the files written (index first) and the check's report (None without `check`).
     """
     check_seed(seed)
@@ -57,7 +59,8 @@ def upcycle_to_checkpoint(spec: Spec, output: str | Path, *, checkpoint: str | P
         model = compile_model(dense, plan, moe_device="meta")  # shares every other module with `dense`
         state = model.state_dict()
         params = sum(t.numel() for t in state.values())
-        whole = check and params * 4 <= _memory_bytes() / 4
+        whole = check and params * 4 <= _memory_bytes() / 4 and forward_cost_problem(
+            spec, plan.input_size, batch=COMPARED_BATCH, runner="a check") is None
         layers = _LayerStream(model, spec, plan, dense, ffns, generator, per_layer_check=check and not whole,
                               on_layer=on_layer)
         infos = [TensorInfo(name, tuple(t.shape), output_dtype(t.dtype, dtype)) for name, t in state.items()]
@@ -68,7 +71,8 @@ def upcycle_to_checkpoint(spec: Spec, output: str | Path, *, checkpoint: str | P
     if whole:
         if dtype is not None:  # compare like with like: the dense weights rounded as the experts were
             dense.to(dtype).float()
-        report = compare(dense, load(output), plan.input_size, source, torch.Generator().manual_seed(seed + 1))
+        report = compare(dense, load(output), plan.input_size, source, torch.Generator().manual_seed(seed + 1),
+                         batch=COMPARED_BATCH)
     else:
         report = UpcycleReport(source, layers.max_diff, layers.max_output, scope="layers")
     return files, dataclasses.replace(report, caveats=caveats(plan))

@@ -24,7 +24,8 @@ from ..backbones import adapter_named
 from ..compiler import create_model, moe_layers
 from ..errors import SpecError
 from ..planning import LayerPlan, Plan, items_problems, plan_for
-from ..spec import Spec, spec_problem
+from ..planning.forward_cost import refuse_costly_forward
+from ..spec import RouterSpec, Spec, spec_problem
 from .dense import dense_model
 from .mapping import dense_to_moe
 
@@ -49,7 +50,8 @@ class UpcycleReport:
         lines = [f"function-preserving: {verdict} (max |dlogit| = {self.max_abs_logit_diff:.3g})"]
         if self.scope == "layers":
             lines = [f"function-preserving: {verdict} (max |dy| = {self.max_abs_logit_diff:.3g} over the MoE layers, "
-                     f"each against its dense FFN; the model is too large to compare whole)"]
+                     f"each against its dense FFN; the model, or a forward at its input size, is too large to compare "
+                     f"whole)"]
         if self.max_abs_logit == 0:
             lines = ["function-preserving: cannot tell (the dense logits are all 0, e.g. a zero-initialized head; "
                      "upcycle trained weights to check)"]
@@ -102,6 +104,8 @@ def upcycle_with_report(spec: Spec, checkpoint: str | Path | None = None, *, see
     upcycle_into(model, spec, plan, dense.state_dict(), generator)
     if not check:
         return model, None
+    refuse_costly_forward(spec, plan.input_size, "checking the upcycled logits", batch=COMPARED_BATCH,
+                          runner="a check", hint="use a smaller input size, or check=False")
     report = compare(dense, model, plan.input_size, source, generator)
     return model.train(), dataclasses.replace(report, caveats=caveats(plan))
 
@@ -111,6 +115,11 @@ def check_items(spec: Spec, plan: Plan, dense: nn.Module) -> None:
     """Each router's checks against the items per image its FFN receives (Soft MoE's identity routing needs one
     slot per token), from one forward of the dense model at batch 1: a located spec error before anything is
     built or written. FFNs of blocks that `rescale` rebuilds are not in the dense model and are not checked."""
+    checked = [layer for layer in plan.layers if plan.rebuilt(layer.path) is None
+               and type(layer.router).check_items is not RouterSpec.check_items]  # only routers that check
+    if not checked:
+        return
+    refuse_costly_forward(spec, plan.input_size, "checking the items each router receives")
     items: dict[str, int] = {}
 
     def record(layer: LayerPlan, module: nn.Module, args: tuple) -> None:
@@ -118,8 +127,7 @@ def check_items(spec: Spec, plan: Plan, dense: nn.Module) -> None:
         items[layer.path] = x.numel() // x.shape[layer.channels_dim]
 
     hooks = [dense.get_submodule(layer.path).register_forward_pre_hook(
-        lambda module, args, layer=layer: record(layer, module, args)) for layer in plan.layers
-        if plan.rebuilt(layer.path) is None]
+        lambda module, args, layer=layer: record(layer, module, args)) for layer in checked]
     training = dense.training
     try:
         dense.eval()(torch.zeros(1, *plan.input_size))
@@ -201,9 +209,12 @@ def _fill(bank: nn.Module, experts: list[Callable[[], dict[str, torch.Tensor]]],
             params[name][local].add_(torch.randn(params[name].shape[1:], generator=generator), alpha=noise)
 
 
+COMPARED_BATCH = 2  # random inputs the logit check runs through both models
+
+
 @torch.no_grad()
 def compare(dense: nn.Module, model: nn.Module, input_size: tuple[int, int, int], source: str,
-            generator: torch.Generator, batch: int = 2) -> UpcycleReport:
+            generator: torch.Generator, batch: int = COMPARED_BATCH) -> UpcycleReport:
     """Max |logit difference| between the dense and the MoE model on one random batch, in eval mode."""
     x = torch.randn((batch, *input_size), generator=generator)
     dense_logits = dense.eval()(x)

@@ -2,25 +2,30 @@
 
     python tests/distributed/state_worker.py MODE OUT_DIR [POINT ...]
 
-Each save and each check runs in a child forked from this process (which builds the model once, on one
-thread, and never joins a process group itself); each child joins its own gloo group of world size 1, so
-that save_state and load_state take their torch.distributed paths. A save at step s saves weights = base + s,
-so that a load shows which save it reads.
+Each save and each check runs in children forked from this process (which builds the model once, on one
+thread, and never joins a process group itself); the children of one call join their own gloo group, of world
+size 1 (so that save_state and load_state take their torch.distributed paths) or of WORLD ranks, whose model
+has its experts sharded over them. A save at step s saves weights = base + s, so that a load shows which save
+it reads.
 
 Modes:
     points   the number of points a save passes: lines of moespec/distributed/state.py and of shutil (inside
              rmtree), and renames (os.replace, os.rename)
-    kill     for each POINT (`line:N`, or `rename:N` for just after the N-th rename): save step 1, then a
-             save of step 2 killed (os._exit) at that point, then, on two copies of the folder, load_state
-             then save_state of step 3, and save_state of step 3 then load_state
-    sigkill  POINT rounds: a child saves steps 2, 3, ... over and over and is SIGKILLed after a random time;
-             then load_state must read the last complete save or the one being written, and save_state work
+    kill     for each POINT (`line:N`, or `rename:N` for just after the N-th rename; `R:line:N` on rank R of
+             WORLD, default rank 0): save step 1, then a save of step 2 killed (os._exit) at that point, the
+             other ranks SIGKILLed with it (as torchrun tears a group down), then, on two copies of the folder,
+             load_state then save_state of step 3, and save_state of step 3 then load_state
+    sigkill  POINT rounds: the ranks save steps 2, 3, ... over and over, and are SIGKILLed after a random time
+             (at world size 2: one rank, then the other a moment later, or both at once); then load_state
+             must read the last complete save or the one being written, and save_state work
+The world size is the environment's STATE_WORLD (default 1); every check runs at that world size.
 Folders planted next to the state (another process's, or holding a foreign file) must survive every round.
 Writes OUT_DIR/MODE.json: {"points": N} or a list of {"point", "problems"} (an empty list: all held).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -28,8 +33,10 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
+from datetime import timedelta
 from functools import partial
 from pathlib import Path
 
@@ -59,39 +66,82 @@ def _model():
 
 MODEL, OPTIMIZER = _model()
 BASE = {name: p.detach().clone() for name, p in MODEL.named_parameters()}
+WORLD = int(os.environ.get("STATE_WORLD", "1"))
+_SHARDED: list = []  # a child's model, optimizer and base weights at WORLD > 1, built once per child
+
+
+def _state():
+    """This child's model, optimizer and base weights: the parent's one-process model, or at WORLD > 1 a model
+    whose experts are sharded over the child's group, after the same one step."""
+    if WORLD == 1:
+        return MODEL, OPTIMIZER, BASE
+    if not _SHARDED:
+        model = moespec.create_model(SPEC, seed=0)
+        md.shard_experts(model)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        model(torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))).sum().backward()
+        optimizer.step()
+        _SHARDED.extend([model, optimizer, {name: p.detach().clone() for name, p in model.named_parameters()}])
+    return _SHARDED
 
 
 def _set_step(step: int) -> None:
+    model, _, base = _state()
     with torch.no_grad():
-        for name, p in MODEL.named_parameters():
-            p.copy_(BASE[name] + step)
+        for name, p in model.named_parameters():
+            p.copy_(base[name] + step)
 
 
 def _in_child(work, timeout: float = CHILD_TIMEOUT) -> int:
-    """Run work() in a forked child in its own gloo group of 1; its exit status (KILLED when killed at its
-    point, 1 on an exception, -9 when it ran past `timeout`)."""
-    pid = os.fork()
-    if pid == 0:
-        code = 0
-        try:
-            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-            work()
-        except BaseException:  # noqa: BLE001 - the child reports every failure by its status
-            traceback.print_exc()
-            code = 1
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-    deadline = time.monotonic() + timeout
-    while True:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            return os.waitstatus_to_exitcode(status)
-        if time.monotonic() > deadline:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-            return -9
+    """Run work() in WORLD forked children, the ranks of their own gloo group; their exit status (KILLED when
+    one was killed at its point, 1 on an exception, -9 when they ran past `timeout`). When one rank ends
+    killed, the others are SIGKILLed, as torchrun tears a group down."""
+    store = Path(tempfile.mkdtemp())
+    statuses = _reap(_fork_ranks(work, store / "store"), time.monotonic() + timeout)
+    shutil.rmtree(store, ignore_errors=True)
+    return next((s for s in statuses if s == KILLED), next((s for s in statuses if s != 0), 0))
+
+
+def _fork_ranks(work, store: Path) -> list[int]:
+    """The pids of WORLD forked children that join one gloo group (through the file `store`) and run work()."""
+    pids = []
+    for rank in range(WORLD):
+        pid = os.fork()
+        if pid == 0:
+            code = 0
+            try:
+                dist.init_process_group("gloo", store=dist.FileStore(str(store), WORLD), rank=rank, world_size=WORLD,
+                                        timeout=timedelta(seconds=CHILD_TIMEOUT))
+                work()
+            except BaseException:  # noqa: BLE001 - the child reports every failure by its status
+                traceback.print_exc()
+                code = 1
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+        pids.append(pid)
+    return pids
+
+
+def _reap(pids: list[int], deadline: float, tear_down: bool = True) -> list[int]:
+    """The exit statuses of `pids`; past `deadline`, or once one ended KILLED (with `tear_down`), the others
+    are SIGKILLed (-9)."""
+    statuses: dict[int, int] = {}
+    while len(statuses) < len(pids):
+        for pid in pids:
+            if pid not in statuses:
+                done, status = os.waitpid(pid, os.WNOHANG)
+                if done:
+                    statuses[pid] = os.waitstatus_to_exitcode(status)
+        if len(statuses) < len(pids) and (time.monotonic() > deadline
+                                          or tear_down and KILLED in statuses.values()):
+            for pid in pids:
+                if pid not in statuses:
+                    os.kill(pid, signal.SIGKILL)
+                    os.waitpid(pid, 0)
+                    statuses[pid] = -9
         time.sleep(0.01)
+    return [statuses[pid] for pid in pids]
 
 
 class _Points:
@@ -100,7 +150,10 @@ class _Points:
     FILES = {sys.modules[md.save_state.__module__].__file__, shutil.__file__}
 
     def __init__(self, kill: str | None):
-        self.kind, self.at = (kill.split(":")[0], int(kill.split(":")[1])) if kill else (None, -1)
+        parts = kill.split(":") if kill else []
+        rank = int(parts.pop(0)) if len(parts) == 3 else 0
+        mine = parts and rank == (dist.get_rank() if dist.is_initialized() else 0)
+        self.kind, self.at = (parts[0], int(parts[1])) if mine else (None, -1)
         self.seen = {"line": 0, "rename": 0}
 
     def _pass(self, kind: str) -> None:
@@ -136,17 +189,20 @@ class _Points:
 
 def _save(root: Path, step: int, kill: str | None = None, counts: Path | None = None) -> None:
     _set_step(step)
+    model, optimizer, _ = _state()
     with _Points(kill) as points:
-        md.save_state(root / "state", MODEL, OPTIMIZER, extra={"step": step})
+        md.save_state(root / "state", model, optimizer, extra={"step": step})
     if counts is not None:
-        counts.write_text(json.dumps(points.seen))
+        counts.with_name(f"{counts.stem}-rank{dist.get_rank()}.json").write_text(json.dumps(points.seen))
 
 
 def _check_load(root: Path, allowed: set[int], report: Path) -> None:
     """load_state reads one of the `allowed` steps, whole: the weights saved with it."""
-    extra = md.load_state(root / "state", MODEL, OPTIMIZER)
+    model, optimizer, base = _state()
+    extra = md.load_state(root / "state", model, optimizer)
     step = extra["step"]
-    torn = [name for name, p in MODEL.named_parameters() if not torch.equal(p.detach(), BASE[name] + step)]
+    torn = [name for name, p in model.named_parameters() if not torch.equal(p.detach(), base[name] + step)]
+    report = report.with_name(f"{report.stem}-rank{dist.get_rank()}.json")
     report.write_text(json.dumps({"step": step, "allowed": step in allowed, "torn": torn[:3]}))
 
 
@@ -186,10 +242,12 @@ def _after_kill(root: Path, allowed: set[int], order: str, planted: list[str]) -
             if status != 0:
                 problems.append(f"{order}: load_state failed (status {status}) with {_listing(root)}")
                 return problems
-            result = json.loads(report.read_text())
-            if not result["allowed"] or result["torn"]:
-                problems.append(f"{order}: load_state read {result} (expected a step in {sorted(want)})")
-    left = sorted(p.name for p in root.iterdir() if p.name not in ("state", "report.json"))
+            results = [json.loads(report.with_name(f"report-rank{rank}.json").read_text()) for rank in range(WORLD)]
+            for rank, result in enumerate(results):
+                if not result["allowed"] or result["torn"] or result["step"] != results[0]["step"]:
+                    problems.append(f"{order}: load_state on rank {rank} read {result} (expected a step in "
+                                    f"{sorted(want)}, the same on every rank)")
+    left = sorted(p.name for p in root.iterdir() if not (p.name == "state" or p.name.startswith("report")))
     if left != planted:
         problems.append(f"{order}: left next to the state: {left} (planted: {planted})")
     return problems
@@ -205,7 +263,8 @@ def points(out: Path) -> dict:
     assert _in_child(partial(_save, root, 1)) == 0
     _plant(root)  # as `kill` does: the folders a save looks at and leaves
     assert _in_child(partial(_save, root, 2, counts=out / "counts.json")) == 0
-    return json.loads((out / "counts.json").read_text())
+    counts = [json.loads((out / f"counts-rank{rank}.json").read_text()) for rank in range(WORLD)]
+    return counts[0] if WORLD == 1 else {"ranks": counts, **counts[0]}
 
 
 def kill(out: Path, kills: list[str]) -> list[dict]:
@@ -227,10 +286,11 @@ def kill(out: Path, kills: list[str]) -> list[dict]:
 
 def _save_forever(root: Path) -> None:
     for step in range(2, 10_000):
-        _save(root, step)
-        # Atomically: a SIGKILL between write_text's truncate and write would leave an empty record.
-        (root / "saved.tmp").write_text(str(step))
-        os.replace(root / "saved.tmp", root / "saved.txt")
+        _save(root, step)  # returns on every rank once the save is complete (its last barrier)
+        if dist.get_rank() == 0:
+            # Atomically: a SIGKILL between write_text's truncate and write would leave an empty record.
+            (root / "saved.tmp").write_text(str(step))
+            os.replace(root / "saved.tmp", root / "saved.txt")
 
 
 def sigkill(out: Path, rounds: int) -> list[dict]:
@@ -241,22 +301,27 @@ def sigkill(out: Path, rounds: int) -> list[dict]:
         root.mkdir()
         assert _in_child(partial(_save, root, 1)) == 0
         planted = _plant(root)
-        pid = os.fork()
-        if pid == 0:
-            try:
-                dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-                _save_forever(root)
-            finally:
-                os._exit(1)
+        store = Path(tempfile.mkdtemp())
+        pids = _fork_ranks(partial(_save_forever, root), store / "store")
         time.sleep(generator.uniform(0.5, 3.0))
-        os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
+        how = "SIGKILL"
+        if WORLD > 1:  # one rank first (the other a moment later, as torchrun tears the group down), or all at once
+            first = generator.choice([None, *range(WORLD)])
+            if first is not None:
+                os.kill(pids[first], signal.SIGKILL)
+                time.sleep(generator.uniform(0.0, 0.5))
+            how = f"SIGKILL of rank {first} first" if first is not None else "SIGKILL of every rank at once"
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        _reap(pids, time.monotonic() + CHILD_TIMEOUT)
+        shutil.rmtree(store, ignore_errors=True)
         saved = root / "saved.txt"
         last = int(saved.read_text()) if saved.exists() else 1
         saved.unlink(missing_ok=True)
         (root / "saved.tmp").unlink(missing_ok=True)
         problems = _after_kill(root, {last, last + 1}, "load-first", planted)
-        results.append({"point": f"round {round_}: SIGKILL after save {last}", "problems": problems})
+        results.append({"point": f"round {round_}: {how} after save {last}", "problems": problems})
     return results
 
 

@@ -29,11 +29,11 @@ from .launch import ROOT
 WORKER = ROOT / "tests" / "distributed" / "state_worker.py"
 
 
-def _worker(tmp_path: Path, mode: str, *args: str, timeout: float) -> object:
+def _worker(tmp_path: Path, mode: str, *args: str, timeout: float, world: int = 1) -> object:
     command = [sys.executable, str(WORKER), mode, str(tmp_path), *args]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "STATE_WORLD": str(world)}
     try:
-        done = subprocess.run(command, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
-                              text=True, timeout=timeout)
+        done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as expired:
         raise AssertionError(f"state_worker {mode} hung past {timeout} s:\n{expired.stderr}") from None
     assert done.returncode == 0, f"state_worker {mode} failed:\n{done.stdout[-4000:]}\n{done.stderr[-8000:]}"
@@ -106,6 +106,33 @@ def test_a_save_killed_at_every_line_loads_old_or_new_and_the_next_save_works(tm
 @pytest.mark.slow
 def test_a_save_sigkilled_at_random_times_loads_old_or_new_and_the_next_save_works(tmp_path):
     for result in _worker(tmp_path, "sigkill", "6", timeout=300):
+        assert not result["problems"], result
+
+
+@pytest.mark.slow
+def test_a_two_rank_save_killed_at_each_rename_or_on_either_rank_loads_old_or_new_at_two_ranks(tmp_path):
+    """At world size 2 (experts sharded over the ranks): a save killed just after each of rank 0's renames, or
+    at lines spread over each rank's save (the other rank SIGKILLed with it, as torchrun does), leaves a
+    state that two ranks load whole, old or new, and the next two-rank save works."""
+    points = _worker(tmp_path, "points", timeout=120, world=2)
+    assert points["rename"] == 3 and [r["rename"] for r in points["ranks"]] == [3, 0], points
+    lines = [f"{rank}:line:{n * counts['line'] // 5}" for rank, counts in enumerate(points["ranks"])
+             for n in range(1, 5)]
+    kills = [f"rename:{n}" for n in range(1, 4)] + lines
+    results = _worker(tmp_path, "kill", *kills, timeout=600, world=2)
+    assert [r["point"] for r in results] == kills
+    for result in results:
+        assert result["killed"] and not result["problems"], result
+
+
+@pytest.mark.slow
+def test_a_two_rank_save_sigkilled_at_random_times_loads_old_or_new_at_two_ranks(tmp_path):
+    """At world size 2: both ranks save over and over, and are SIGKILLed at a random time, one rank first
+    (the other a moment later) or both at once; two ranks then load the last complete save or the one being
+    written, whole, and save again."""
+    results = _worker(tmp_path, "sigkill", "6", timeout=400, world=2)
+    assert len(results) == 6
+    for result in results:
         assert not result["problems"], result
 
 
