@@ -24,13 +24,13 @@ from .spec import Spec, load_spec
 if TYPE_CHECKING:
     from .apps.timm_registry import register_timm
     from .compiler import create_model, moe_layers, plan_of
-    from .counting import stats
+    from .counting import fvcore_handles, stats
     from .layers.moe import aux_loss, follow_grad_scaler
     from .weights import load, save, upcycle, upcycle_to_checkpoint
 
 _LAZY = {
     "register_timm": "apps.timm_registry", "create_model": "compiler", "moe_layers": "compiler", "plan_of": "compiler",
-    "stats": "counting",
+    "fvcore_handles": "counting", "stats": "counting",
     "aux_loss": "layers.moe", "follow_grad_scaler": "layers.moe", "load": "weights", "save": "weights",
     "upcycle": "weights", "upcycle_to_checkpoint": "weights",
 }
@@ -38,7 +38,7 @@ _LAZY = {
 
 __all__ = [
     "CheckpointError", "MoespecError", "Plan", "Spec", "SpecError", "aux_loss", "create_model", "follow_grad_scaler",
-    "load", "load_spec", "moe_layers", "plan", "plan_of", "register_timm", "save", "stats", "upcycle",
+    "fvcore_handles", "load", "load_spec", "moe_layers", "plan", "plan_of", "register_timm", "save", "stats", "upcycle",
     "upcycle_to_checkpoint",
 ]
 

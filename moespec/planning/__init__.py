@@ -9,7 +9,8 @@ upcycler read nothing else.
 
 from .cache import backbone_facts, cache_folder
 from .checks import INPUT_SIZE_ERRORS, checkpoint_problem, input_refusal, input_size_of, input_size_problem
-from .plan import LayerPlan, Plan, RescalePlan, plan, plan_for
+from .plan import LayerPlan, Plan, RescalePlan, plan, plan_file, plan_for
 
 __all__ = ["INPUT_SIZE_ERRORS", "LayerPlan", "Plan", "RescalePlan", "backbone_facts", "cache_folder",
-           "checkpoint_problem", "input_refusal", "input_size_of", "input_size_problem", "plan", "plan_for"]
+           "checkpoint_problem", "input_refusal", "input_size_of", "input_size_problem", "plan", "plan_file",
+           "plan_for"]
