@@ -235,7 +235,9 @@ def test_inspect_command_end_to_end(workspace):
     run = subprocess.run(argv, cwd=workspace, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     assert run.stdout == "wrote report/index.html (4 MoE layers, 9 images in 3 classes)\n"
-    assert run.stderr == ""  # --limit 3 leaves broken.png out; piped: no progress bar
+    # --limit 3 leaves broken.png out; piped: one plain progress line per batch, no bar
+    assert run.stderr.splitlines() == [f"moespec: routing images: {done}/3 {name}"
+                                       for done, name in enumerate(("blue", "green", "red"))]
     summary = json.loads((workspace / "report" / "summary.json").read_text())
     assert summary["images_per_class"] == [3, 3, 3] and summary["source"] == "spec.yaml"
     again = _cli("inspect", workspace / "spec.yaml", "--images", workspace / "images", "-o", workspace / "report")
