@@ -41,9 +41,10 @@ def test_upcycle_sweep_and_inspect_print_one_line_per_item_when_piped(tmp_path, 
 
     rng = np.random.default_rng(0)
     for name in "cat", "dog":
-        (tmp_path / "images" / name).mkdir(parents=True)
+        folder = tmp_path / "images" / name
+        folder.mkdir(parents=True)
         for i in range(2):
-            Image.fromarray(rng.integers(0, 255, (40, 40, 3), dtype=np.uint8)).save(tmp_path / "images" / name / f"{i}.png")
+            Image.fromarray(rng.integers(0, 255, (40, 40, 3), dtype=np.uint8)).save(folder / f"{i}.png")
     lines = _progress(["inspect", tmp_path / "spec.yaml", "--images", tmp_path / "images", "-o", tmp_path / "report",
                        "--batch-size", "2"])
     assert [(m["what"], m["total"]) for m in lines] == [("routing images", "2")] * 2
