@@ -122,8 +122,10 @@ class MoE(MoELayer):
             raise NotImplementedError("GRN experts normalize over the positions they receive, which has no static "
                                       "shape; a model with GRN experts does not export")
         experts, count = self.num_experts, items.shape[0]
-        combine = items.new_zeros(count, experts).index_put_((routing.item, routing.expert), routing.weights,
-                                                             accumulate=True)
+        # a scatter-add at item * E + expert: index_put_(accumulate=True), the same sum, made torch.onnx log
+        # "Attribute type is ambiguous" once per layer
+        combine = items.new_zeros(count * experts).scatter_add(0, routing.item * experts + routing.expert,
+                                                               routing.weights).view(count, experts)
         out = self.experts.batched(items.unsqueeze(0).expand(experts, count, items.shape[1]))  # [E, T, C']
         return torch.einsum("te,etc->tc", combine, out)
 

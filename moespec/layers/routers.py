@@ -205,7 +205,8 @@ class ExpertChoiceRouter(Router):
         self.group = group
 
     def capacity(self, items: int) -> int:
-        items = int(items)  # a TorchScript trace (fvcore's) gives sizes as 0-d tensors
+        if isinstance(items, torch.Tensor):  # a TorchScript trace (fvcore's) gives sizes as 0-d tensors
+            items = int(items)
         return min(items, max(1, round(self.capacity_per_item * items / self.num_experts)))
 
     def gate_macs(self, items: int, images: int) -> int:
