@@ -107,7 +107,8 @@ def spec_of_head(model: nn.Module, spec: Spec) -> tuple[Spec, dict[str, str]]:
     weights); a changed pooling is recorded apart (`POOL_KEY`) and set again by `reset_classifier` at load,
     since as a constructor argument it also changes the layers around the head (ViT's `fc_norm`)."""
     now, built = _head(model), _head(create_backbone(spec, device="meta"))
-    metadata = {POOL_KEY: now["global_pool"]} if now.get("global_pool") != built.get("global_pool") else {}
+    pool = now.get("global_pool")
+    metadata = {POOL_KEY: pool} if pool is not None and pool != built.get("global_pool") else {}
     classes = now.get("num_classes")
     if classes is None or classes == built.get("num_classes"):
         return spec, metadata

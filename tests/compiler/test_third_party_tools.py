@@ -9,13 +9,12 @@ import warnings
 
 import pytest
 import torch
+import torchinfo
 from fvcore.nn import FlopCountAnalysis
 
 import moespec
 
 from ..conftest import TINY_CONVNEXT, TINY_INPUT, TINY_VIT, make_spec
-
-torchinfo = pytest.importorskip("torchinfo")
 
 KINDS = {
     "topk": (TINY_VIT, {"experts": 4, "router": {"kind": "topk", "top_k": 2}}),
