@@ -34,7 +34,7 @@ def _model(kind: str) -> tuple[moespec.Spec, torch.nn.Module]:
 
 
 def _fvcore_total(model: torch.nn.Module, x: torch.Tensor) -> int:
-    with warnings.catch_warnings(), torch.no_grad():
+    with warnings.catch_warnings():  # no torch.no_grad(): as a user calls it (autograd's own Functions then ran)
         warnings.simplefilter("ignore")  # the jit tracer's chatter
         analysis = FlopCountAnalysis(model, x).set_op_handle(**moespec.fvcore_handles())
         analysis.unsupported_ops_warnings(False)
