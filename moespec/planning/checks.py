@@ -33,7 +33,8 @@ def model_name_problems(file: str, error: SpecError) -> list[Problem]:
         data, positions = read_document(file)
     except SpecError:  # not a YAML mapping: `error` says so
         return []
-    name = data.get("backbone", {}).get("model") if isinstance(data.get("backbone"), dict) else None
+    backbone = data.get("backbone") if isinstance(data, dict) else None
+    name = backbone.get("model") if isinstance(backbone, dict) else None
     if not isinstance(name, str):
         return []
     from ..backbones.create import unknown_model_problem  # timm's import (seconds), only for a failed spec

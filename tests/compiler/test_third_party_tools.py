@@ -13,6 +13,7 @@ import torchinfo
 from fvcore.nn import FlopCountAnalysis
 
 import moespec
+import moespec.routers.hash  # noqa: F401  (registers the opt-in `kind: hash`)
 
 from ..conftest import TINY_CONVNEXT, TINY_INPUT, TINY_VIT, make_spec
 
@@ -22,9 +23,11 @@ KINDS = {
     "expert_choice": (TINY_VIT, {"experts": 4, "router": {"kind": "expert_choice", "capacity": 2.0}}),
     "image": (TINY_VIT, {"experts": 4, "router": {"kind": "image", "top_k": 2}}),
     "soft": (TINY_VIT, {"experts": 4, "router": {"kind": "soft"}}),
+    "hash": (TINY_VIT, {"experts": 4, "router": {"kind": "hash"}}),
     "convnext": (TINY_CONVNEXT, {"experts": 4, "router": {"kind": "topk", "top_k": 2}}),
 }
-"""One model per MoE layer kind: each router kind, shared experts, and a channels-first (ConvNeXt) layer."""
+"""One model per MoE layer kind: each router kind (the opt-in hash too), shared experts, and a channels-first
+(ConvNeXt) layer."""
 
 
 def _model(kind: str) -> tuple[moespec.Spec, torch.nn.Module]:
