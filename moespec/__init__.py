@@ -25,14 +25,14 @@ if TYPE_CHECKING:
     from .apps.optimizer import optimizer_groups
     from .apps.timm_registry import register_timm
     from .compiler import create_model, moe_layers, plan_of
-    from .counting import stats
+    from .counting import fvcore_handles, stats
     from .layers.moe import aux_loss, follow_grad_scaler, update_bias, update_bias_on_step
     from .weights import load, save, upcycle, upcycle_to_checkpoint
 
 _LAZY = {
     "optimizer_groups": "apps.optimizer", "register_timm": "apps.timm_registry",
     "create_model": "compiler", "moe_layers": "compiler", "plan_of": "compiler",
-    "stats": "counting",
+    "fvcore_handles": "counting", "stats": "counting",
     "aux_loss": "layers.moe", "follow_grad_scaler": "layers.moe", "update_bias": "layers.moe",
     "update_bias_on_step": "layers.moe", "load": "weights", "save": "weights",
     "upcycle": "weights", "upcycle_to_checkpoint": "weights",
@@ -41,8 +41,8 @@ _LAZY = {
 
 __all__ = [
     "CheckpointError", "MoespecError", "Plan", "Spec", "SpecError", "aux_loss", "create_model", "follow_grad_scaler",
-    "load", "load_spec", "moe_layers", "optimizer_groups", "plan", "plan_of", "register_timm", "save", "stats",
-    "update_bias", "update_bias_on_step", "upcycle", "upcycle_to_checkpoint",
+    "fvcore_handles", "load", "load_spec", "moe_layers", "optimizer_groups", "plan", "plan_of", "register_timm",
+    "save", "stats", "update_bias", "update_bias_on_step", "upcycle", "upcycle_to_checkpoint",
 ]
 
 

@@ -18,7 +18,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from .choices import MAX_POINTS, PRECISIONS, STATS_FORMATS
 from .errors import MoespecError, SpecError
-from .planning import plan
+from .planning import plan, plan_file
 from .spec import json_schema_text, load_spec, spec_files
 from .spec.loading import previous_release_keys, upgraded_spec_text
 
@@ -89,7 +89,7 @@ def validate(specs: List[Path] = typer.Argument(..., help="Spec files or folders
         failed = 0
         for file in spec_files(specs):
             try:
-                p = plan(load_spec(file), cached=True)
+                p = plan_file(file, cached=True)
                 old_keys = previous_release_keys(file)
                 if old_keys and fix:
                     _write_text(file, upgraded_spec_text(file))
@@ -185,11 +185,18 @@ DType = Enum("DType", {name: name for name in PRECISIONS}, type=str)
 
 @contextlib.contextmanager
 def progress(description: str):
-    """A rich progress bar on stderr while the block runs, fed by the `update(item, done, total)` it yields.
-    Silent when stderr is not a terminal (piped, redirected) and under `--quiet`."""
+    """Progress on stderr while the block runs, fed by the `update(item, done, total)` it yields: a rich bar
+    on a terminal; where stderr is not one (piped, redirected to a log), one plain line per item of a run of
+    several, `moespec: counting: 2/31 b.yaml`, so that a long run piped to a file is not silent (a run of one
+    item says nothing: its error, if any, stays the first line). None under `--quiet`."""
+    if _quiet:
+        yield lambda item, done, total: None
+        return
+    if not sys.stderr.isatty():
+        yield lambda item, done, total: item and total > 1 and _error(f"moespec: {description}: {done}/{total} {item}")
+        return
     bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                   TextColumn("{task.fields[item]}"), TimeElapsedColumn(), console=Console(stderr=True), transient=True,
-                   disable=_quiet or not sys.stderr.isatty())
+                   TextColumn("{task.fields[item]}"), TimeElapsedColumn(), console=Console(stderr=True), transient=True)
     task = bar.add_task(description, total=None, item="")
     with bar:
         yield lambda item, done, total: bar.update(task, completed=done, total=total, item=item)

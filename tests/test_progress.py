@@ -1,4 +1,5 @@
-"""Progress bars: drawn on stderr when it is a terminal, never when output is piped or under `--quiet`.
+"""Progress: a bar drawn on stderr when it is a terminal, one plain line per item when it is piped, nothing
+under `--quiet`.
 
 Each command is run as a subprocess, with stderr either piped or attached to a pseudo-terminal; all of them
 start at once (each mostly waits on its torch/timm import).
@@ -52,8 +53,13 @@ def run_on_terminal(args: list[str], cwd) -> tuple[int, str, str]:
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("progress")
     (root / "a.yaml").write_text(TINY_SPEC_YAML)
+    (root / "specs").mkdir()
+    for name in "a.yaml", "b.yaml":
+        (root / "specs" / name).write_text(TINY_SPEC_YAML)
     jobs = {
         "piped": (run_piped, ["stats", "a.yaml"]),
+        "piped_folder": (run_piped, ["stats", "specs"]),
+        "piped_quiet": (run_piped, ["--quiet", "stats", "specs"]),
         "terminal": (run_on_terminal, ["stats", "a.yaml"]),
         "terminal_quiet": (run_on_terminal, ["--quiet", "stats", "a.yaml"]),
     }
@@ -62,12 +68,20 @@ def runs(tmp_path_factory):
         return {name: future.result() for name, future in futures.items()}
 
 
-def test_piped_output_has_no_progress_artifacts(runs):
+def test_piped_output_has_one_plain_progress_line_per_item(runs):
+    """Piped into a file, `stats` over a folder printed nothing for minutes (the bar draws only on a
+    terminal); it prints one plain line per spec on stderr, and its table stays clean."""
     code, stdout, stderr = runs["piped"]
     assert code == 0, stderr
-    assert stderr == ""
+    assert stderr == ""  # one spec: nothing to count off
     assert "\r" not in stdout and "\x1b[" not in stdout and "counting" not in stdout
     assert stdout.count("vit_small_patch16_224") == 1
+    code, stdout, stderr = runs["piped_folder"]
+    assert code == 0, stderr
+    assert stderr.splitlines() == ["moespec: counting: 0/2 a.yaml", "moespec: counting: 1/2 b.yaml"]
+    assert "\x1b[" not in stdout and stdout.count("vit_small_patch16_224") == 2
+    code, stdout, stderr = runs["piped_quiet"]
+    assert code == 0 and stderr == ""
 
 
 def test_a_terminal_shows_the_progress_bar(runs):

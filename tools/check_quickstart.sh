@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Run the README's two Quick start lines as a new user would: a clean clone, a fresh venv per line, only
-# Python on the machine. Usage: tools/check_quickstart.sh [workdir]   (needs ~10 GB and a few minutes)
+# Run the README's two Quick start lines as a new user would: a clean clone per line, only Python on the
+# machine (each line makes its own venv, .venv). Usage: tools/check_quickstart.sh [workdir]
+# (needs ~12 GB and a few minutes)
 set -euo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
 work=${1:-$(mktemp -d)}
@@ -10,10 +11,9 @@ if [ "${#lines[@]}" -ne 2 ]; then
   exit 1
 fi
 for i in 0 1; do
-  rm -rf "$work/clone$i" "$work/venv$i"
+  rm -rf "$work/clone$i"
   git clone -q "$repo" "$work/clone$i"
-  python3 -m venv "$work/venv$i"
   echo "== Quick start line $((i + 1)): ${lines[$i]}"
-  (cd "$work/clone$i" && source "$work/venv$i/bin/activate" && bash -c "${lines[$i]}")
+  (cd "$work/clone$i" && env -u VIRTUAL_ENV bash -c "${lines[$i]}")
 done
 echo "== both Quick start lines passed"

@@ -39,12 +39,20 @@ def create_backbone(spec: Spec, *, device: str | torch.device = "cpu", pretraine
         raise located(spec, error) from None
 
 
+def unknown_model_problem(name: str) -> Problem | None:
+    """A Problem at `backbone.model` when timm has no model `name` (with the closest names), else None."""
+    if timm.is_model(name):
+        return None
+    matches = timm.list_models(f"*{name.split('_')[0]}*")[:8] if name else []
+    hint = did_you_mean(name, timm.list_models()) or (
+        f"; timm models like it: {', '.join(matches)}" if matches else "; timm.list_models() lists them")
+    return Problem(f"unknown timm model {name!r}{hint}", path="backbone.model")
+
+
 def _create(backbone: Backbone, device: torch.device, pretrained: bool) -> nn.Module:
-    if not timm.is_model(backbone.model):
-        matches = timm.list_models(f"*{backbone.model.split('_')[0]}*")[:8] if backbone.model else []
-        hint = did_you_mean(backbone.model, timm.list_models()) or (
-            f"; timm models like it: {', '.join(matches)}" if matches else "; timm.list_models() lists them")
-        raise SpecError(Problem(f"unknown timm model {backbone.model!r}{hint}", path="backbone.model"))
+    unknown = unknown_model_problem(backbone.model)
+    if unknown is not None:
+        raise SpecError(unknown)
     kwargs, overrides = dict(backbone.kwargs), {}
     while True:
         try:

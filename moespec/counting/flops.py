@@ -55,6 +55,37 @@ def scaled_dot_product_attention_flop(inputs: list[Any], outputs: list[Any]) -> 
     return batch_heads * n * m * (dk + dv)
 
 
+@register_flop_handle("prim::PythonOp.ExpertLinear")
+def expert_linear_flop(inputs: list[Any], outputs: list[Any]) -> int:
+    """`ExpertLinear` (the experts' fc1 / fc2, padded or jagged): each row of x through its expert's [H, C]
+    weight. x: [E, M, C] or [S, C], weight: [E, H, C] -> rows * C * H MACs (a padded row counts: it runs)."""
+    x, weight = get_shape(inputs[0]), get_shape(inputs[1])
+    rows = 1
+    for size in x[:-1]:
+        rows *= size
+    return rows * x[-1] * weight[-2]
+
+
+@register_flop_handle("prim::PythonOp.CombinePairs")
+def combine_pairs_flop(inputs: list[Any], outputs: list[Any]) -> int:
+    """`CombinePairs`: each expert output row [P, C'] times its gate, added into its item: P * C' MACs (the
+    weighted combine that `MoE.activated_macs` counts)."""
+    out = get_shape(inputs[0])
+    return out[0] * out[-1]
+
+
+def fvcore_handles() -> dict[str, Callable[[list[Any], list[Any]], int]]:
+    """The op handles to add to fvcore's defaults when tracing a moespec model with fvcore yourself: the ops
+    fvcore does not know (`F.scaled_dot_product_attention`) and moespec's expert steps, which run as autograd
+    Functions (`prim::PythonOp.*`) that the trace does not look into. In eval, on the model of `create_model`:
+
+        analysis = FlopCountAnalysis(model.eval(), x).set_op_handle(**moespec.fvcore_handles())
+        analysis.total()  # executed MACs of this input: moespec stats' figure at batch 1, with no drops
+
+    A copy: changing it changes nothing here."""
+    return dict(FLOP_HANDLES)
+
+
 MATMUL_LIKE = re.compile(r"mm|matmul|conv|einsum|linear|attention|bmm|baddbmm|addmv|dot|tensordot|bilinear")
 """Op names that carry matmul-like work: none of them may be left uncounted."""
 

@@ -21,6 +21,8 @@ CPU, with m the mean rows per expert:
 - past that bound, grouped_mm when autograd records the forward (it writes every weight gradient with one
   matmul per expert), else the loop; the loop wherever grouped_mm cannot run (float64, rows not 16-byte
   aligned, torch < 2.9).
+Under a TorchScript trace (fvcore's `FlopCountAnalysis`), the loop: a trace bakes the segments in anyway, and
+its expert ops are then the work that `moespec stats` counts, with no padding rows.
 The crossovers move with the CPU. The figures the rule was fitted on are in docs/dispatch.md;
 `tools/sweep_dispatch.py` and `tools/bench_moe.py --only layer` measure them again.
 
@@ -97,6 +99,8 @@ def auto_step(rows: int, dtype: torch.dtype, device: torch.device, counts: torch
     """
     if sync_free(device):
         return "grouped_mm"
+    if torch.jit.is_tracing():  # fvcore's trace: the ops that run are the work counted, with no padding rows
+        return "loop"
     grouped = aligned and has_grouped_mm() and dtype in GROUPED_DTYPES
     experts = counts.numel()
     if rows >= CPU_LOOP_FROM * experts:

@@ -260,7 +260,10 @@ class Experts(nn.Module):
 
     def _records_graph(self, x: torch.Tensor) -> bool:
         """Whether autograd records this forward (a backward may follow): grad mode on, and x or a weight
-        requires grad."""
+        requires grad. Not under a TorchScript trace (fvcore's `FlopCountAnalysis`), which cannot record
+        `SegmentGraphs` (a Function of the bank itself): there the plain ops run, and autograd still records them."""
+        if torch.jit.is_tracing():
+            return False
         return torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in self.parameters()))
 
     def _aligned(self, element_size: int) -> bool:

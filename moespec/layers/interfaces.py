@@ -19,14 +19,21 @@ from .routing import Routing
 
 class Router(nn.Module):
     """Decides which expert each item goes to, with which weight. Subclasses set `num_experts` and override
-    `forward`, `gate_macs` and `experts_per_item`; the others have the defaults of a router that dispatches
-    every item and keeps every pair."""
+    `route`, `gate_macs` and `experts_per_item`; the others have the defaults of a router that dispatches
+    every item and keeps every pair.
+
+    The MoE layer calls `route`, not the module: module hooks (torchinfo's, fvcore's, a user's) see only
+    tensors, and a `Routing` record is no tensor (torchinfo refused every MoE model). Its gate modules are
+    called as modules, so the tools still see and count them. `router(x, images)` is `route` too."""
 
     num_experts: int
 
-    def forward(self, x: torch.Tensor, images: int = 1) -> Routing:
+    def route(self, x: torch.Tensor, images: int = 1) -> Routing:
         """x: [T, C] items, image after image (T / images each) -> their (item, expert) pairs, grouped by expert."""
         raise NotImplementedError
+
+    def forward(self, x: torch.Tensor, images: int = 1) -> Routing:
+        return self.route(x, images)
 
     def gate_macs(self, items: int, images: int) -> int:
         """MACs of the routing decision for `items` items in `images` images."""

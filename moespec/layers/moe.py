@@ -1,7 +1,7 @@
 """The sparse MoE layer that replaces a dense FFN call site.
 
     items = x as rows [T, C]  (tokens of [B, N, C], or positions of a [B, H, W, C] / [B, C, H, W] map)
-    routing = router(items)       -> (item, expert) pairs grouped by expert, with gate weights
+    routing = router.route(items) -> (item, expert) pairs grouped by expert, with gate weights
                                      (under torch.export: every expert on every item, combined densely)
     y = experts.combine(...)      -> items[pairs], one contiguous segment per expert, then the weighted
                                      scatter back (without autograd, under the loop step, segment by
@@ -34,7 +34,7 @@ class MoE(MoELayer):
     """Sparse mixture of experts over the items of a token sequence or feature map.
 
     Args:
-        router: a `Router` (`interfaces.py`), called as router(items [T, C], images) -> Routing.
+        router: a `Router` (`interfaces.py`), called as router.route(items [T, C], images) -> Routing.
         experts: the routed `Experts` bank.
         shared: an `Experts` bank of always-active experts, or None.
         channels_dim: where the features are: -1 for [..., C] inputs, 1 for [B, C, H, W].
@@ -73,7 +73,7 @@ class MoE(MoELayer):
         groups = None  # image index per item, only for experts that normalize per image
         if self.experts.needs_groups or (self.shared is not None and self.shared.needs_groups):
             groups = torch.arange(images, device=x.device).repeat_interleave(items_per_image(items.shape[0], images))
-        routing = self.router(items, images)
+        routing = self.router.route(items, images)
         routing.group = getattr(self.experts, "routing_group", None)  # expert parallel: global aux losses, statistics
         static = exporting()
         if static:
@@ -123,8 +123,10 @@ class MoE(MoELayer):
             raise NotImplementedError("GRN experts normalize over the positions they receive, which has no static "
                                       "shape; a model with GRN experts does not export")
         experts, count = self.num_experts, items.shape[0]
-        combine = items.new_zeros(count, experts).index_put_((routing.item, routing.expert), routing.weights,
-                                                             accumulate=True)
+        # a scatter-add at item * E + expert: index_put_(accumulate=True), the same sum, made torch.onnx log
+        # "Attribute type is ambiguous" once per layer
+        combine = items.new_zeros(count * experts).scatter_add(0, routing.item * experts + routing.expert,
+                                                               routing.weights).view(count, experts)
         out = self.experts.batched(items.unsqueeze(0).expand(experts, count, items.shape[1]))  # [E, T, C']
         return torch.einsum("te,etc->tc", combine, out)
 

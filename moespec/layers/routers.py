@@ -242,7 +242,7 @@ class TopKRouter(Router):
         images = self.group or 1  # `batch` is costed at the stats' batch, one image
         return self.num_experts * self.capacity(items * images) / images
 
-    def forward(self, x: torch.Tensor, images: int = 1) -> Routing:
+    def route(self, x: torch.Tensor, images: int = 1) -> Routing:
         logits = at_least_fp32(self.gate(x))
         noisy = logits
         if self.training and self.noise_std > 0:
@@ -321,7 +321,7 @@ class ImageRouter(Router):
     def experts_per_item(self, items: int, images: int) -> int:
         return self.active_top_k()  # every token goes where its image goes
 
-    def forward(self, x: torch.Tensor, images: int = 1) -> Routing:
+    def route(self, x: torch.Tensor, images: int = 1) -> Routing:
         per_image = x.reshape(images, items_per_image(x.shape[0], images), x.shape[-1])
         vectors = per_image[:, 0] if self.pool == "cls" else per_image.mean(dim=1)
         logits = at_least_fp32(self.gate(vectors))
@@ -360,6 +360,8 @@ class ExpertChoiceRouter(Router):
         return self.gate.router_weights()
 
     def capacity(self, items: int) -> int:
+        if isinstance(items, torch.Tensor):  # a TorchScript trace (fvcore's) gives sizes as 0-d tensors
+            items = int(items)
         return min(items, max(1, round(self.capacity_per_item * items / self.num_experts)))
 
     def gate_macs(self, items: int, images: int) -> int:
@@ -369,7 +371,7 @@ class ExpertChoiceRouter(Router):
         """E * C rows for T items: about c expert passes per item."""
         return self.num_experts * self.capacity(items) / items if items else self.capacity_per_item
 
-    def forward(self, x: torch.Tensor, images: int = 1) -> Routing:
+    def route(self, x: torch.Tensor, images: int = 1) -> Routing:
         logits = at_least_fp32(self.gate(x))
         probs = logits.softmax(dim=-1)
         groups = Groups.of(x.shape[0], images, self.group, self.training)
@@ -395,7 +397,7 @@ class ExpertChoiceRouter(Router):
             else:
                 item, values, expert = item[keep], values[keep], expert[keep]
         kept = torch.zeros(x.shape[0], dtype=torch.bool, device=x.device)
-        kept = kept.index_put_((item,), keep, accumulate=True) if tail else kept.index_fill_(0, item, True)
+        kept = kept.index_put_((item,), keep, accumulate=True) if tail else kept.index_fill_(0, item, 1)
         top1_value, top1 = probs.max(dim=-1)
         return Routing(probs, logits, item, counts, values.to(x.dtype), top1, top1_value,
                        counts.float(), kept, expert, tail=tail)

@@ -214,7 +214,7 @@ def inverse_permutation(permutation: torch.Tensor) -> torch.Tensor:
 
 def _covered(item: torch.Tensor, tokens: int) -> torch.Tensor:
     """[tokens] whether each item is in `item`."""
-    return torch.zeros(tokens, dtype=torch.bool, device=item.device).index_fill_(0, item, True)
+    return torch.zeros(tokens, dtype=torch.bool, device=item.device).index_fill_(0, item, 1)
 
 
 def smooth_load(logits: torch.Tensor, noisy: torch.Tensor, top_k: int, noise_std: float,

@@ -18,8 +18,9 @@ from .checks import (
     input_size_problem,
     items_problems,
 )
-from .plan import LayerPlan, Plan, RescalePlan, plan, plan_for
+from .plan import LayerPlan, Plan, RescalePlan, plan, plan_file, plan_for
 
 __all__ = ["INPUT_SIZE_ERRORS", "LayerPlan", "Plan", "RescalePlan", "backbone_facts", "cache_folder",
            "checkpoint_problem", "input_refusal", "input_size_of", "input_size_problem", "items_problems", "plan",
+           "plan_file",
            "plan_for"]

@@ -6,7 +6,7 @@ import types
 from typing import Any
 
 from ..errors import Problem, SpecError
-from ..spec import DENSE_SUFFIXES, BackboneSketch, FieldError, Spec, located, spec_problem
+from ..spec import DENSE_SUFFIXES, BackboneSketch, FieldError, Spec, located, read_document, spec_problem
 
 
 def checkpoint_problem(spec: Spec) -> Problem | None:
@@ -21,6 +21,29 @@ def checkpoint_problem(spec: Spec) -> Problem | None:
         return spec_problem(spec, "backbone.checkpoint", f"no such checkpoint file {str(path)!r}; a relative path is "
                                                          f"relative to the spec file's folder")
     return None
+
+
+def model_name_problems(file: str, error: SpecError) -> list[Problem]:
+    """What timm says of the spec file `file`'s `backbone.model` when its validation failed with `error` for
+    other reasons (a bad top_k): an unknown name at its line, so that one run reports every problem. [] when
+    the name is fine, is not a name, or `error` is already about it."""
+    if any(p.path.startswith("backbone.model") for p in error.problems):
+        return []
+    try:
+        data, positions = read_document(file)
+    except SpecError:  # not a YAML mapping: `error` says so
+        return []
+    backbone = data.get("backbone") if isinstance(data, dict) else None
+    name = backbone.get("model") if isinstance(backbone, dict) else None
+    if not isinstance(name, str):
+        return []
+    from ..backbones.create import unknown_model_problem  # timm's import (seconds), only for a failed spec
+
+    unknown = unknown_model_problem(name)
+    if unknown is None:
+        return []
+    line, column = positions.find(["backbone", "model"])
+    return [Problem(unknown.message, path=unknown.path, file=file, line=line, column=column)]
 
 
 INPUT_SIZE_ERRORS = (AssertionError, RuntimeError, ValueError, TypeError, OverflowError)

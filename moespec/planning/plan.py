@@ -9,13 +9,25 @@ prints it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from ..errors import Problem, SpecError, did_you_mean
-from ..spec import BackboneSketch, Block, BlockLayout, FFNShape, MoEGroup, RouterSpec, Spec, located, spec_problem
+from ..spec import (
+    BackboneSketch,
+    Block,
+    BlockLayout,
+    FFNShape,
+    MoEGroup,
+    RouterSpec,
+    Spec,
+    load_spec,
+    located,
+    spec_problem,
+)
 from ..spec.selectors import SelectorError, resolve_where
 from .cache import backbone_facts
-from .checks import checkpoint_problem, input_size_of
+from .checks import checkpoint_problem, input_size_of, model_name_problems
 
 
 @dataclass(frozen=True)
@@ -115,6 +127,16 @@ def plan(spec: Spec, *, cached: bool = False) -> Plan:
     if problems:
         raise SpecError(problems)
     return result
+
+
+def plan_file(file: str | Path, *, cached: bool = False) -> Plan:
+    """The Plan of the spec file `file` (`moespec validate`): every problem at once, those of its fields and
+    of its timm backbone's name together (a bad top_k and a misspelled model in one run)."""
+    try:
+        spec = load_spec(file)
+    except SpecError as error:
+        raise SpecError(error.problems + model_name_problems(str(file), error)) from None
+    return plan(spec, cached=cached)
 
 
 def plan_for(spec: Spec, backbone: Any) -> Plan:

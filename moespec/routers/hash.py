@@ -64,7 +64,7 @@ class HashRouter(Router):
     def experts_per_item(self, items: int, images: int) -> float:
         return 1
 
-    def forward(self, x: torch.Tensor, images: int = 1) -> Routing:
+    def route(self, x: torch.Tensor, images: int = 1) -> Routing:
         """x: [T, C] items, image after image -> a Routing with one (item, expert) pair per item."""
         experts = self.table(items_per_image(x.shape[0], images), x.device).repeat(images)  # [T]
         item = stable_argsort(experts)  # pairs grouped by expert, in item order within each

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .._version import __version__
+from ..backbones import create_backbone
 from ..compiler import create_model
 from ..errors import CheckpointError, MoespecError
 from ..io import (
@@ -46,12 +47,13 @@ def save(model: nn.Module, path: str | Path, *, force: bool = False, dtype: torc
     spec = getattr(model, "moespec_spec", None)
     if spec is None:
         raise MoespecError("this model was not built by moespec (no spec attached); build it with moespec.create_model")
+    spec, head = spec_of_head(model, spec)
     state = model.state_dict()
     banks = sharded_banks(model)
     if banks:
         return _save_sharded(model, state, banks, path, spec, force=force, dtype=dtype, max_shard_size=max_shard_size)
     infos = [TensorInfo(name, tuple(t.shape), output_dtype(t.dtype, dtype)) for name, t in state.items()]
-    write_sharded(path, infos, lambda info: state[info.name].to(info.dtype), spec_metadata(spec),
+    write_sharded(path, infos, lambda info: state[info.name].to(info.dtype), {**spec_metadata(spec), **head},
                   max_shard_size=max_shard_size, force=force)
     return Path(path)
 
@@ -92,6 +94,45 @@ def _save_sharded(model: nn.Module, state: dict[str, torch.Tensor], banks: dict[
             tensor(info)
     dist.barrier(group=group)  # every rank returns once the file is there
     return Path(path)
+
+
+POOL_KEY = "moespec.global_pool"
+"""Metadata: the pooling that timm's `reset_classifier(n, global_pool)` set after the build, when it differs."""
+
+
+def spec_of_head(model: nn.Module, spec: Spec) -> tuple[Spec, dict[str, str]]:
+    """`spec` with the model's head as it is now, and the metadata for its pooling. timm's `reset_classifier`
+    (a fine-tune's new class count, or pooling) changes the head after the build, and a checkpoint must
+    rebuild the model it holds: the class count goes into the backbone's kwargs (it sizes the head's
+    weights); a changed pooling is recorded apart (`POOL_KEY`) and set again by `reset_classifier` at load,
+    since as a constructor argument it also changes the layers around the head (ViT's `fc_norm`)."""
+    now, built = _head(model), _head(create_backbone(spec, device="meta"))
+    pool = now.get("global_pool")
+    metadata = {POOL_KEY: pool} if pool is not None and pool != built.get("global_pool") else {}
+    classes = now.get("num_classes")
+    if classes is None or classes == built.get("num_classes"):
+        return spec, metadata
+    document = spec.model_dump(mode="json")
+    document["backbone"]["kwargs"] = {**document["backbone"]["kwargs"], "num_classes": classes}
+    return load_spec(document), metadata
+
+
+def _head(model: nn.Module) -> dict[str, object]:
+    """`num_classes` and `global_pool` of a timm model: its pooling kept as a name (ViT) or in a pooling module
+    (`SelectAdaptivePool2d.pool_type`: ConvNeXt's head, ResNet)."""
+    pool = getattr(model, "global_pool", None)
+    if pool is None:
+        pool = getattr(getattr(model, "head", None), "global_pool", None)
+    head = {"num_classes": getattr(model, "num_classes", None),
+            "global_pool": pool if isinstance(pool, str) else getattr(pool, "pool_type", None)}
+    return {key: value for key, value in head.items() if isinstance(value, (int, str))}
+
+
+def _pooled(model: nn.Module, metadata: dict[str, str]) -> nn.Module:
+    """`model` with the pooling a checkpoint recorded (`POOL_KEY`) set as the saved model had it."""
+    if POOL_KEY in metadata:
+        model.reset_classifier(model.num_classes, global_pool=metadata[POOL_KEY])
+    return model
 
 
 def output_dtype(dtype: torch.dtype, target: torch.dtype | None) -> torch.dtype:
@@ -161,8 +202,9 @@ def _load_safetensors(path: str | Path, spec: Spec | None, device: str | torch.d
                 if model is None:
                     wanted = spec or embedded_spec(path, checkpoint.metadata)
                     # the file's shapes, checked on a build that allocates nothing, before the real build
-                    check_state_dict(checkpoint.shapes(), create_model(wanted, device="meta"), f"{path}")
-                    model = create_model(wanted, device=device)
+                    check_state_dict(checkpoint.shapes(), _pooled(create_model(wanted, device="meta"),
+                                                                  checkpoint.metadata), f"{path}")
+                    model = _pooled(create_model(wanted, device=device), checkpoint.metadata)
                     spec_hash = checkpoint.metadata.get(SPEC_HASH_KEY)
                     if checkpoint.opened is None:  # shards read by name: read them right after their index
                         continue

@@ -76,3 +76,27 @@ def test_soft_moe_exports_where_eager_runs_the_loop(monkeypatch):
     with torch.no_grad():
         torch.testing.assert_close(exported.module()(x), layer(x), atol=1e-5, rtol=0)
     assert loops == [1]
+
+
+@pytest.mark.parametrize("router", quick_first(["topk", "image", "soft"], {"topk"}))
+def test_export_with_a_dynamic_batch_runs_at_other_batches_and_onnx_logs_nothing(router, tmp_path, caplog):
+    """The README's export: `Dim("batch")` makes the batch dynamic (an export traced at batch 1 refused batch 4),
+    and torch.onnx converts the MoE layers without logging "Attribute type is ambiguous" (once per layer, from
+    the index_put that built the export path's combine weights). Expert choice specializes the batch (its
+    routing groups are counted in Python): it exports at the traced batch only, as the README says."""
+    onnxruntime = pytest.importorskip("onnxruntime")
+    model = _model(TINY_VIT, ROUTERS[router])
+    batch = {0: torch.export.Dim("batch")}
+    program = torch.export.export(model, (torch.randn(2, *TINY_INPUT),), dynamic_shapes=(batch,))
+    path = tmp_path / "model.onnx"
+    with caplog.at_level("DEBUG"):
+        torch.onnx.export(model, (torch.randn(2, *TINY_INPUT),), str(path), dynamo=True, dynamic_shapes=(batch,))
+    assert not [r.getMessage() for r in caplog.records if r.levelname in ("WARNING", "ERROR")]
+    session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    for size in 1, 4:
+        x = torch.randn(size, *TINY_INPUT)
+        with torch.no_grad():
+            expected = model(x)
+        torch.testing.assert_close(program.module()(x), expected, atol=1e-5, rtol=0)
+        (got,) = session.run(None, {session.get_inputs()[0].name: x.numpy()})
+        torch.testing.assert_close(torch.from_numpy(got), expected, atol=1e-5, rtol=0)

@@ -15,6 +15,8 @@ import pytest
 import torch
 from PIL import Image
 
+import moespec
+
 TRAIN = Path(__file__).resolve().parent.parent / "data" / "timm_train.py"
 SPEC = """\
 name: tiny-train
@@ -52,14 +54,18 @@ def _image_folder(root: Path) -> None:
 def test_timms_train_script_trains_a_moespec_model_with_torchcompile(tmp_path):
     _image_folder(tmp_path / "data")
     (tmp_path / "spec.yaml").write_text(SPEC)
+    initial = moespec.create_model(moespec.load_spec(tmp_path / "spec.yaml"), seed=0)
+    initial.reset_classifier(2)
+    moespec.save(initial, tmp_path / "init.safetensors")  # the README's hand-off: --initial-checkpoint
     args = ["--data-dir", "data", "--train-split", "train", "--val-split", "val", "--model", "moespec_tiny_train",
             "--num-classes", "2", "--input-size", "3", "32", "32", "-b", "4", "--epochs", "2", "--device", "cpu",
             "--workers", "0", "--no-prefetcher", "--output", "out", "--torchcompile", "--lr", "0.01",
-            "--warmup-epochs", "0"]
+            "--warmup-epochs", "0", "--initial-checkpoint", "init.safetensors"]
     done = subprocess.run([sys.executable, "-c", RUN, "spec.yaml", str(TRAIN), *args], cwd=tmp_path,
                           capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "Compiling task components with backend=inductor" in done.stdout + done.stderr
+    assert "from checkpoint 'init.safetensors'" in done.stdout + done.stderr
     (run,) = (tmp_path / "out").iterdir()
     with open(run / "summary.csv") as f:
         rows = list(csv.DictReader(f))

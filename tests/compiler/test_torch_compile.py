@@ -71,3 +71,27 @@ def test_exporting_is_true_under_torch_export_only():
     assert probe(x).item() == -1
     assert torch.compile(probe, backend="eager")(x).item() == -1
     assert torch.export.export(probe, (x,)).module()(x).item() == 1
+
+
+@pytest.mark.parametrize("router", ["topk2", "expert_choice"])
+def test_compiled_eval_and_training_step_break_no_graph_and_warn_nothing(router, recwarn):
+    """What a user sees of `torch.compile(model)`: an eval forward, then a training step at batch 2, with no
+    graph break and no warning (a `Tensor.item()` in the expert step's choice broke the graph in eval and
+    printed a long stack; a training step at batch 2 crashed)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    spec = make_spec(TINY, [{"where": {"every": 1}, "experts": 4, "router": ROUTERS[router]}], input_size=[3, 32, 32])
+    model = moespec.create_model(spec, seed=0)
+    compiled = torch.compile(model, backend="aot_eager")
+    with torch.no_grad():
+        eager = model.eval()(torch.ones(2, 3, 32, 32))
+        torch.testing.assert_close(compiled(torch.ones(2, 3, 32, 32)), eager)
+    model.train()
+    x, y = torch.randn(2, 3, 32, 32), torch.tensor([1, 2])
+    loss = F.cross_entropy(compiled(x), y) + moespec.aux_loss(model)
+    loss.backward()
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert not [str(w.message) for w in recwarn]

@@ -17,7 +17,7 @@ from moespec.routers import Gate
 from moespec.routers.expert_choice import ExpertChoiceRouterSpec
 from moespec.routers.image import ImageRouterSpec
 
-from ..conftest import TINY_CONVNEXT, TINY_INPUT, TINY_VIT, make_spec
+from ..conftest import TINY_CONVNEXT, TINY_INPUT, TINY_VIT, make_spec, write
 
 # ViT-S/16 at depth 2: embed 384, MLP hidden 4 * 384 = 1536. ConvNeXt-T dims 96, 192, 384, 768 (hidden 4x).
 VIT_DIM, VIT_HIDDEN = 384, 1536
@@ -159,3 +159,46 @@ def test_a_group_without_sublayer_takes_every_residual_ffn_of_its_blocks():
     assert _paths("maxvit_rmlp_pico_rw_256", sublayer="attn_grid.mlp") == [f"{block}.attn_grid.mlp"]
     assert _paths("coat_tiny") == ["parallel_blocks.5.mlp2"]
     assert _paths("mixer_s32_224") == ["blocks.7.mlp_tokens", "blocks.7.mlp_channels"]
+
+
+BAD_TOP_K_AND_NAME = """\
+backbone: {model: vit_smal_patch16_224, kwargs: {depth: 2, img_size: 64}}
+input_size: [3, 64, 64]
+moe:
+  - where: {every: 1}
+    experts: 4
+    router: {top_k: 0}
+"""
+
+FIVE_PROBLEMS = """\
+backbone: {model: vit_smal_patch16_224, kwargs: {depth: 2, img_size: 64}}
+input_size: [3, 64]
+upcycle: {noise: -1}
+aux_loss_backward_scale: 0
+moe:
+  - where: {every: 1}
+    experts: 4
+    router: {top_k: 0}
+"""
+
+
+@pytest.mark.parametrize("text,count", [(BAD_TOP_K_AND_NAME, 2), (FIVE_PROBLEMS, 5)], ids=["two", "five"])
+def test_validate_reports_the_fields_and_the_timm_model_name_at_once(text, count, tmp_path):
+    """`moespec validate` of a file with a bad field and a misspelled model reports both in one run (the name,
+    which only timm can check, came after the other problems were fixed), each at its line."""
+    from typer.testing import CliRunner
+
+    from moespec.cli import app
+    from moespec.planning import plan_file
+
+    path = write(tmp_path, text)
+    with pytest.raises(SpecError) as caught:
+        plan_file(path)
+    problems = caught.value.problems
+    assert len(problems) == count, problems
+    (name,) = [p for p in problems if p.path == "backbone.model"]
+    assert (name.line, name.file) == (1, str(path))
+    assert "did you mean 'vit_small_patch16_224'" in name.message
+    result = CliRunner().invoke(app, ["validate", str(path)])
+    assert result.exit_code == 2
+    assert result.stderr.count("moespec: error: ") == count and "unknown timm model" in result.stderr

@@ -13,7 +13,7 @@ import moespec
 from moespec.errors import CheckpointError, MoespecError
 from moespec.weights import SPEC_HASH_KEY, SPEC_KEY, VERSION_KEY, read_spec
 
-from ..conftest import TINY_INPUT, TINY_VIT, make_spec
+from ..conftest import TINY_CONVNEXT, TINY_INPUT, TINY_VIT, make_spec
 
 SPEC = [{"where": {"every": 2}, "experts": 4, "top_k": 2, "shared_experts": 1}]
 
@@ -31,6 +31,24 @@ def test_save_load_round_trip(tmp_path):
     assert torch.equal(loaded(x), model(x))
     assert loaded.moespec_spec.model_dump() == spec.model_dump()
     assert [p.name for p in tmp_path.iterdir()] == ["moe.safetensors"]  # no stray temp file
+
+
+@pytest.mark.parametrize("backbone,pool", [(TINY_VIT, "avg"), (TINY_CONVNEXT, "max")], ids=["vit", "convnext"])
+def test_the_saved_spec_follows_reset_classifier(backbone, pool, tmp_path):
+    """After timm's `reset_classifier` (a fine-tune's new head, or pooling) the checkpoint's spec builds the model
+    it holds: the head's size and pooling, not the build's. The spec embedded the build's 10 classes, and
+    `load` refused the 5-class head; the model's own spec is left as built."""
+    spec = make_spec(backbone, SPEC)
+    x = torch.randn(2, *TINY_INPUT)
+    for args in (5,), (3, pool):
+        model = moespec.create_model(spec, seed=0).eval()
+        model.reset_classifier(*args)
+        loaded = moespec.load(moespec.save(model, tmp_path / "moe.safetensors", force=True)).eval()
+        with torch.no_grad():
+            assert loaded(x).shape == (2, args[0])
+            torch.testing.assert_close(loaded(x), model(x), rtol=0, atol=0)
+        assert model.moespec_spec is spec
+    assert read_spec(tmp_path / "moe.safetensors").backbone.kwargs["num_classes"] == 3
 
 
 def test_existing_output_needs_force(tmp_path):
