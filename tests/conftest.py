@@ -201,6 +201,20 @@ def randomize(model: nn.Module, seed: int = 0) -> nn.Module:
 
 
 @pytest.fixture
+def hash_kind():
+    """The opt-in hash router (`moespec/routers/hash.py`) registered for one test, and gone after it (the
+    built-in language has no `hash`; a registration left behind would change every later test's kinds)."""
+    import importlib
+
+    from moespec.spec import register_router_kind, unregister_router_kind
+
+    module = importlib.import_module("moespec.routers.hash")  # importing it registers it, the first time only
+    register_router_kind(module.HashRouterSpec)
+    yield module
+    unregister_router_kind("hash")
+
+
+@pytest.fixture
 def dense_checkpoint(tmp_path):
     """Factory: save a randomized dense timm model as .safetensors; returns (path, model)."""
 

@@ -13,7 +13,6 @@ import torchinfo
 from fvcore.nn import FlopCountAnalysis
 
 import moespec
-import moespec.routers.hash  # noqa: F401  (registers the opt-in `kind: hash`)
 
 from ..conftest import TINY_CONVNEXT, TINY_INPUT, TINY_VIT, make_spec
 
@@ -28,6 +27,12 @@ KINDS = {
 }
 """One model per MoE layer kind: each router kind (the opt-in hash too), shared experts, and a channels-first
 (ConvNeXt) layer."""
+
+
+@pytest.fixture(autouse=True)
+def _hash_registered(hash_kind):
+    """Each test here may build the opt-in hash router's model (`KINDS["hash"]`)."""
+    yield
 
 
 def _model(kind: str) -> tuple[moespec.Spec, torch.nn.Module]:

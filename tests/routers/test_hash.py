@@ -3,7 +3,6 @@ one registration, and every stage serves it without knowing its name."""
 
 from __future__ import annotations
 
-import importlib
 from pathlib import Path
 
 import pytest
@@ -12,22 +11,13 @@ import torch
 import moespec
 from moespec.compiler import moe_layers, plan_of
 from moespec.errors import SpecError
-from moespec.spec import json_schema, register_router_kind, unregister_router_kind
+from moespec.spec import json_schema
 from moespec.weights import caveats
 
 from ..conftest import TINY_CONVNEXT, TINY_INPUT, TINY_VIT, make_spec
 
 HASH_GROUP = {"where": {"every": 1}, "experts": 4, "router": {"kind": "hash", "seed": 3}}
 PATCHES = (64 // 16) ** 2 + 1  # 16 patches and the [CLS] token of the tiny ViT
-
-
-@pytest.fixture
-def hash_kind():
-    """The hash router registered for one test, and gone after it (the built-in language has no `hash`)."""
-    module = importlib.import_module("moespec.routers.hash")  # importing it registers it
-    register_router_kind(module.HashRouterSpec)
-    yield module
-    unregister_router_kind("hash")
 
 
 def test_without_registration_hash_is_an_unknown_kind():
