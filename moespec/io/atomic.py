@@ -17,6 +17,9 @@ moespec before host tags) are taken for this host's.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
+import functools
 import glob
 import hashlib
 import os
@@ -154,10 +157,14 @@ def commit(tmp: Path, path: Path) -> None:
 
 
 def _replace_folder(new: Path, path: Path) -> None:
-    """Rename the complete folder `new` to `path`; an old `path` is moved aside first, to a free name
-    `.{name}.old-{pid}@{host}[-xxxxxxxx]` (marked as this writer's: `_mark`), and removed after. Killed between
-    the two renames, the old folder is put back by the next check of `path` (`_restore_folder`); killed after
-    them, the next write removes it."""
+    """Rename the complete folder `new` to `path`. An old folder at `path` is swapped with `new` in one step
+    where the system can (`_exchange`): `new`, this writer's marked temp folder, then holds the old one, which
+    `temp_output` removes (or, killed first, the next write). Elsewhere the old `path` is moved aside first, to
+    a free name `.{name}.old-{pid}@{host}[-xxxxxxxx]` (marked as this writer's: `_mark`), and removed after.
+    Killed between those two renames, the old folder is put back by the next check of `path`
+    (`_restore_folder`); killed after them, the next write removes it."""
+    if path.is_dir() and not path.is_symlink() and _exchange(new, path):
+        return
     old = None
     if path.exists():
         old = _aside_folder(path)
@@ -167,6 +174,33 @@ def _replace_folder(new: Path, path: Path) -> None:
     if old is not None:
         shutil.rmtree(old)
         _mark(old).unlink(missing_ok=True)
+
+
+_RENAME_EXCHANGE = 2  # linux/fs.h: renameat2 swaps the two names atomically
+_AT_FDCWD = -100
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap the names `a` and `b` in one atomic step (Linux's `renameat2(RENAME_EXCHANGE)`, which `os` does not
+    offer), so that no moment has neither at `b`; False where the system or the file system cannot (then
+    nothing changed)."""
+    renameat2 = getattr(_libc(), "renameat2", None)
+    if renameat2 is None:
+        return False
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP):  # no such call or flag here
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    try:
+        return ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return None
 
 
 WRITER_MARK = ".writing"  # `X.writing` beside a folder X: X is a moespec writer's own (its temp or moved-aside old)

@@ -11,7 +11,7 @@ import signal
 import pytest
 
 from moespec.errors import MoespecError
-from moespec.io import atomic_output
+from moespec.io import atomic, atomic_output
 
 from .test_write_ids import _read, _write
 
@@ -59,10 +59,27 @@ def _report(folder, text: str, force: bool = False) -> None:
         (building / "index.html").write_text(text)
 
 
-def test_a_report_replacement_killed_at_any_step_is_recovered_by_the_next_ordinary_command(tmp_path):
+def _exchange_works(tmp_path) -> bool:
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    works = atomic._exchange(tmp_path / "a", tmp_path / "b")
+    shutil.rmtree(tmp_path / "a")
+    shutil.rmtree(tmp_path / "b")
+    return works
+
+
+@pytest.mark.parametrize("swap", ["exchange", "two renames"])
+def test_a_report_replacement_killed_at_any_step_is_recovered_by_the_next_ordinary_command(tmp_path, monkeypatch,
+                                                                                           swap):
     """`inspect -o rep --force` killed between its renames left `.rep.old-PID` and no `rep`; the next
     `inspect -o rep` then exited 1 ("internal error: IsADirectoryError"). Now that command puts the old report
-    back (and refuses to replace it without --force), or finds the new one, and removes what the kill left."""
+    back (and refuses to replace it without --force), or finds the new one, and removes what the kill left.
+    Where the system swaps two names in one step (`exchange`), `rep` is the old or the new report at every
+    moment, before any next command; elsewhere (`two renames`) the next command puts the old one back."""
+    if swap == "exchange" and not _exchange_works(tmp_path):
+        pytest.skip("this system or file system has no renameat2(RENAME_EXCHANGE)")
+    if swap == "two renames":
+        monkeypatch.setattr(atomic, "_exchange", lambda a, b: False)
     rep, steps = tmp_path / "rep", 0
     while True:
         steps += 1
@@ -71,6 +88,10 @@ def test_a_report_replacement_killed_at_any_step_is_recovered_by_the_next_ordina
         _report(rep, "old")
         if not _killed(steps, lambda: _report(rep, "new", force=True)):
             break
+        if swap == "exchange":  # whole at the path, as the kill left it
+            assert rep.is_dir(), f"killed at step {steps}: no report at the path"
+            assert sorted(p.name for p in rep.iterdir()) == ["index.html", "summary.json"], f"killed at {steps}"
+            assert (rep / "summary.json").read_text() in ("old", "new"), f"killed at step {steps}"
         with pytest.raises(MoespecError, match="already exists and is not empty; pass --force"):
             _report(rep, "next")  # the next ordinary command, without --force
         assert (rep / "summary.json").read_text() in ("old", "new"), f"killed at step {steps}"
