@@ -53,9 +53,9 @@ def test_convnext_t_moe4_last2_ratio2_params():
 
 @pytest.mark.slow  # a real-size shipped spec traced, about 7 s: CI runs it
 def test_convnext_t_moe8_every2_params_against_a_hand_calculation_and_the_paper():
-    """The sweet-spot study's ConvNeXt-T "Every 2", 8 experts, top-1 (Tables 3 and 7): 97.5M parameters. Every
-    second block of each stage, 7 MoE layers: one in stages 0, 1 and 3 (dims 96, 192, 768), four in stage 2
-    (dim 384). Counting across the stages instead (`{every: 2}`, 9 layers) gives 132.5M."""
+    """The sweet-spot study's ConvNeXt-T "Every 2", 8 experts, top-1 (Table 5 of the TMLR version): 97.5M
+    parameters. Every second block of each stage, 7 MoE layers: one in stages 0, 1 and 3 (dims 96, 192, 768),
+    four in stage 2 (dim 384). Counting across the stages instead (`{every: 2}`, 9 layers) gives 132.5M."""
     s = moespec.stats(moespec.load_spec(SPECS_DIR / "convnext_t_moe8_every2_top1.yaml"))
     assert s.dense_params == 28_589_128
     dims = [96, 192, 384, 384, 384, 384, 768]
