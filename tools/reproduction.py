@@ -290,8 +290,8 @@ Seed 001 prints ImageNet-1k ConvNeXt experts at `mlp_ratio` 2 (its Table 1 capti
 - **[h]** The paper's models end in a JFT-4B head ("29k classes", its Section 3.1); the specs keep ImageNet's
   1000. A head of (d + 1) weights per class adds about (d + 1) · 28k: 10.8M, 21.5M, 28.7M and 35.9M at
   d = 384, 768, 1024 and 1280, the gaps in the dense rows (10.9M, 21.4M, 28.7M, 37.0M) and in Soft MoE S/16's
-  (10.3M). For the larger Soft MoEs the head is inside the printed digits. FLOPs agree: the head is under
-  0.2% of them.
+  (10.3M). For the larger Soft MoEs the head is inside the printed digits. FLOPs agree: the head's multiply-adds
+  are about 0.25% of them at S/16 and less above.
 - **[d]** Identity routing sends token i to slot i, so it needs as many slots as tokens: the paper's ViTs have
   no [CLS] token (256 patches, 256 slots), and the row sets `class_token: false`, `global_pool: avg`.
 - **[p]** The Sparse-MLP and ViMoE papers' parameter tables are not on this machine; these rows give
@@ -300,7 +300,8 @@ Seed 001 prints ImageNet-1k ConvNeXt experts at `mlp_ratio` 2 (its Table 1 capti
 Seed rows that are features rather than figures: seed 001's expert-specific weight decay is
 `moespec.optimizer_groups(model, weight_decay, expert_weight_decay=...)` and `tools/train.py
 --expert-weight-decay`; its Table 7 gates are `gate: linear | cosine | l2`; its Tables 7 and 8 and seed 004's
-Tables 2 and 3 print accuracies only. Seed 003's DINOv2-S/14 at 512 px (ADE20K) is
+Tables 2 and 3 print accuracies only, and its Table 9 training exaFLOPs of 107 short runs, not per-image
+figures. Seed 003's DINOv2-S/14 at 512 px (ADE20K) is
 `backbone.kwargs: {dynamic_img_pad: true}` with `input_size: [3, 512, 512]`: 37 × 37 patches, the 518 px grid.
 """
 
