@@ -187,13 +187,15 @@ DType = Enum("DType", {name: name for name in PRECISIONS}, type=str)
 def progress(description: str):
     """Progress on stderr while the block runs, fed by the `update(item, done, total)` it yields: a rich bar
     on a terminal; where stderr is not one (piped, redirected to a log), one plain line per item of a run of
-    several, `moespec: counting: 2/31 b.yaml`, so that a long run piped to a file is not silent (a run of one
-    item says nothing: its error, if any, stays the first line). None under `--quiet`."""
+    several as the item starts, numbered from 1 (`moespec: counting: 2/31 b.yaml`: the second of 31, while
+    `done` is 1), so that a long run piped to a file is not silent (a run of one item says nothing: its error,
+    if any, stays the first line). None under `--quiet`."""
     if _quiet:
         yield lambda item, done, total: None
         return
     if not sys.stderr.isatty():
-        yield lambda item, done, total: item and total > 1 and _error(f"moespec: {description}: {done}/{total} {item}")
+        yield lambda item, done, total: item and total > 1 and _error(
+            f"moespec: {description}: {done + 1}/{total} {item}")
         return
     bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                    TextColumn("{task.fields[item]}"), TimeElapsedColumn(), console=Console(stderr=True), transient=True)

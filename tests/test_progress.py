@@ -78,7 +78,7 @@ def test_piped_output_has_one_plain_progress_line_per_item(runs):
     assert stdout.count("vit_small_patch16_224") == 1
     code, stdout, stderr = runs["piped_folder"]
     assert code == 0, stderr
-    assert stderr.splitlines() == ["moespec: counting: 0/2 a.yaml", "moespec: counting: 1/2 b.yaml"]
+    assert stderr.splitlines() == ["moespec: counting: 1/2 a.yaml", "moespec: counting: 2/2 b.yaml"]
     assert "\x1b[" not in stdout and stdout.count("vit_small_patch16_224") == 2
     code, stdout, stderr = runs["piped_quiet"]
     assert code == 0 and stderr == ""

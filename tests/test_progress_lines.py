@@ -1,5 +1,5 @@
 """Progress where stderr is not a terminal (piped, redirected to a log): every long command prints one plain
-line per item, `moespec: <what>: <done>/<total> <item>`, and no bar. In process (typer's runner: stderr is no
+line per item as it starts, `moespec: <what>: <n>/<total> <item>` (n from 1), and no bar. In process (typer's runner: stderr is no
 terminal), so each command costs its work, not an import."""
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def test_upcycle_sweep_and_inspect_print_one_line_per_item_when_piped(tmp_path, 
         ("upcycling MoE layers", "1", "2", "blocks.0.mlp"), ("upcycling MoE layers", "2", "2", "blocks.1.mlp")]
 
     lines = _progress(["sweep", tmp_path / "spec.yaml", "--set", "moe.0.experts=2,4,8"])
-    assert [(m["what"], m["done"], m["total"]) for m in lines] == [("sweeping", str(i), "3") for i in range(3)]
+    assert [(m["what"], m["done"], m["total"]) for m in lines] == [("sweeping", str(i), "3") for i in (1, 2, 3)]
 
     rng = np.random.default_rng(0)
     for name in "cat", "dog":

@@ -201,7 +201,7 @@ def test_stats_refuses_a_dense_backbone_too_large_to_build_before_allocating(tmp
     assert result.exit_code == 2
     lines = [line for line in result.stderr.splitlines() if line]
     errors = [line for line in lines if not line.startswith("moespec: counting: ")]  # piped: a line per spec
-    assert lines[0] == "moespec: counting: 0/2 huge.yaml" and lines[2] == "moespec: counting: 1/2 tiny.yaml"
+    assert lines[0] == "moespec: counting: 1/2 huge.yaml" and lines[2] == "moespec: counting: 2/2 tiny.yaml"
     assert len(errors) == 1 and errors[0].startswith(f"moespec: error: {huge}:2:")
     assert "backbone: its dense backbone vit_small_patch16_224 needs" in errors[0]
     assert "Biggest: blocks.*.mlp.fc1.weight" in errors[0]

@@ -45,7 +45,8 @@ def upcycle_to_checkpoint(spec: Spec, output: str | Path, *, checkpoint: str | P
     of the written model, loaded back, with the dense model's (dense weights rounded to `dtype` too) when
     the MoE model takes at most a quarter of this machine's memory and a forward at the spec's input size fits
     (`planning.forward_cost`), else each MoE layer against its dense FFN as it is built (on a few tokens,
-    whatever the input size). `on_layer(path, done, total)` is called after each MoE layer is written.
+    whatever the input size). `on_layer(path, done, total)` is called as each MoE layer starts
+    (`done`: the layers written so far), and `on_layer("", total, total)` after the last.
     Returns the files written (index first) and the check's report (None without `check`).
     """
     check_seed(seed)
@@ -102,14 +103,16 @@ class _LayerStream:
         if path is None:
             return state[name]
         if self.current is None or self.current[0] != path:
+            if self.on_layer is not None:
+                self.on_layer(path, self.done, len(self.layers))
             self.current = (path, self._build(path))
         tensor = self.current[1][name[len(path) + 1:]]
         if name == self.last[path]:
             self.layers[path].to_empty(device="meta")  # free it: the next layer reuses the memory
             self.current = None
             self.done += 1
-            if self.on_layer is not None:
-                self.on_layer(path, self.done, len(self.layers))
+            if self.on_layer is not None and self.done == len(self.layers):
+                self.on_layer("", self.done, self.done)
         return tensor
 
     def _build(self, path: str) -> dict[str, torch.Tensor]:

@@ -300,7 +300,7 @@ def test_inspect_command_end_to_end(workspace):
     assert wrote == "wrote report/index.html (4 MoE layers, 9 images in 3 classes)"
     # --limit 3 leaves broken.png out; piped: one plain progress line per batch, no bar
     assert run.stderr.splitlines() == [f"moespec: routing images: {done}/3 {name}"
-                                       for done, name in enumerate(("blue", "green", "red"))]
+                                       for done, name in enumerate(("blue", "green", "red"), start=1)]
     summary = json.loads((workspace / "report" / "summary.json").read_text())
     assert summary["images_per_class"] == [3, 3, 3] and summary["source"] == "spec.yaml"
     assert per_image == (f"per image: {summary['experts_per_image']:.1f} experts (distinct, summed over the layers), "

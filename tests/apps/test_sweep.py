@@ -163,7 +163,7 @@ def test_sweep_command_prints_the_valid_points_lists_the_invalid_and_plots(tiny_
     run = subprocess.run(argv, cwd=folder, capture_output=True, text=True, timeout=300)
     assert run.returncode == 2  # one point does not validate
     progress = [line for line in run.stderr.splitlines() if line.startswith("moespec: sweeping: ")]
-    assert [line.split(" ")[2] for line in progress] == ["0/4", "1/4", "2/4", "3/4"]  # piped: a line per point
+    assert [line.split(" ")[2] for line in progress] == ["1/4", "2/4", "3/4", "4/4"]  # piped: a line per point
     assert [line for line in run.stderr.splitlines() if line not in progress] == [
         "moespec: error: point moe.0.experts=2, moe.0.router.top_k=3: moe.0.router.top_k: top_k (3) must be between "
         "1 and experts (2)",
