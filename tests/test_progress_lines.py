@@ -1,6 +1,6 @@
 """Progress where stderr is not a terminal (piped, redirected to a log): every long command prints one plain
-line per item as it starts, `moespec: <what>: <n>/<total> <item>` (n from 1), and no bar. In process (typer's runner: stderr is no
-terminal), so each command costs its work, not an import."""
+line per item as it starts, `moespec: <what>: <n>/<total> <item>` (n from 1), and no bar. In process (typer's
+runner: stderr is no terminal), so each command costs its work, not an import."""
 
 from __future__ import annotations
 
