@@ -19,10 +19,11 @@ from dataclasses import dataclass
 
 import torch
 from torch import fx, nn
+from torch.nn.parallel import DistributedDataParallel
 
 from ..backbones import create_backbone, refuse_if_too_large, resolve_device
 from ..errors import MoespecError, SpecError
-from ..layers import Experts, MoELayer
+from ..layers import BalancingBias, Experts, MoELayer
 from ..planning import Plan, plan_for
 from ..spec import Spec, located
 from .passes import copy_along, replace_ffns, replace_untraced, rescale_blocks
@@ -54,7 +55,19 @@ def compile_model(model: nn.Module, plan: Plan, *, moe_device: str | torch.devic
         out.set_submodule(path, module)
     dense = getattr(type(model), "no_weight_decay", None)  # the class's: `inplace` may compile a compiled model
     out.no_weight_decay = NoWeightDecay(frozenset(dense(out) if dense is not None else ()) | _stacked_1d(out))
+    _keep_counts_per_rank(out)
     return out
+
+
+def _keep_counts_per_rank(model: nn.Module) -> None:
+    """DistributedDataParallel broadcasts rank 0's buffers at a forward that follows a synchronized one, which
+    would overwrite the balancing biases' counts (`tokens_per_expert`: this rank's choices since the last
+    `update_bias`, summed over the ranks there) within a gradient accumulation. DDP leaves alone the names
+    that the module it wraps lists for it: this model's counts."""
+    counts = [f"{path}.tokens_per_expert" for path, module in model.named_modules()
+              if isinstance(module, BalancingBias)]
+    if counts:
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, counts)
 
 
 def _rewrite(model: nn.Module, plan: Plan, moe_device) -> tuple[fx.GraphModule, dict[str, nn.Module]]:

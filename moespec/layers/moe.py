@@ -288,22 +288,30 @@ def update_bias(model: nn.Module, group=None) -> int:
     accumulation), and the accumulated loads start again from zero. Returns the number of layers updated.
 
     Call it once per optimizer step, before or after `optimizer.step()` (torchtitan does it in an optimizer
-    pre-step hook; `update_bias_on_step` registers one). Under expert parallelism the loads are summed over each
-    layer's expert-parallel group (a collective: every rank calls it), so the bias follows the global loads and
-    stays equal on every rank. Without expert parallelism, a data-parallel job passes its `group` (e.g.
-    `torch.distributed.group.WORLD`) to balance the global loads; otherwise each rank's own loads move its bias.
+    pre-step hook; `update_bias_on_step` registers one). The loads are summed over the ranks that train the
+    layer, so that the bias follows the global loads and stays equal on every rank (a collective: every rank
+    calls it): over `group` where given; else over the layer's expert-parallel group, under expert
+    parallelism; else over all ranks (`torch.distributed.group.WORLD`) where torch.distributed is initialized,
+    as in data-parallel training. Pass `group` where the ranks that train a layer are fewer (pipeline stages,
+    replicas of a hybrid sharding); without torch.distributed each process's own loads move its bias.
     """
     by_group: dict[object, list[nn.Module]] = {}
     for layer in model.modules():
         balance = getattr(layer.router, "balance", None) if isinstance(layer, MoE) else None
         if balance is not None:
             own = group if group is not None else getattr(layer.experts, "routing_group", None)
-            by_group.setdefault(own, []).append(balance)
+            by_group.setdefault(own if own is not None else _world(), []).append(balance)
     for own, balances in by_group.items():  # one collective per group, in module order on every rank
         loads = all_reduce_sum([balance.tokens_per_expert for balance in balances], own)
         for balance, load in zip(balances, loads, strict=True):
             balance.step(load)
     return sum(len(balances) for balances in by_group.values())
+
+
+def _world():
+    """All ranks' group where torch.distributed is initialized, else None (this process alone)."""
+    initialized = torch.distributed.is_available() and torch.distributed.is_initialized()
+    return torch.distributed.group.WORLD if initialized else None
 
 
 def update_bias_on_step(model: nn.Module, optimizer: torch.optim.Optimizer, group=None):

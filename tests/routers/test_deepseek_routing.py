@@ -3,6 +3,7 @@ aux-loss-free balancing bias) and Swin-MoE's learnable cosine temperature: each 
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -188,6 +189,10 @@ def test_bias_is_a_buffer_saved_and_loaded(tmp_path):
     assert torch.equal(loaded_router.balance.expert_bias, router.balance.expert_bias)
     x = torch.randn(2, *TINY_INPUT)
     assert torch.equal(loaded.train()(x), model.train()(x))  # the bias chooses alike in training
+    # the counts are each rank's own: DistributedDataParallel leaves alone the names the model lists for it
+    # (test_ddp_bias.py runs it), in a built, a loaded and a copied model alike
+    for each in model, loaded, copy.deepcopy(loaded):
+        assert each._ddp_params_and_buffers_to_ignore == ["blocks.1.mlp.router.balance.tokens_per_expert"]
 
 
 def test_plan_describes_every_option():
