@@ -56,7 +56,7 @@ def test_sharded_output_has_the_transformers_layout_and_loads(dense_checkpoint, 
     model = upcycle(spec, path)
     assert set(content["weight_map"]) == set(model.state_dict())
     assert content["metadata"]["total_size"] == sum(t.numel() * 4 for t in model.state_dict().values())
-    assert done == [("blocks.0.mlp", 1, 2), ("blocks.1.mlp", 2, 2)]
+    assert done == [("blocks.0.mlp", 0, 2), ("blocks.1.mlp", 1, 2), ("", 2, 2)]  # as each starts, then the end
     assert report.function_preserving and report.scope == "model"
     assert read_spec(out).to_yaml() == spec.to_yaml()
     for name in (out, index, tmp_path):  # by base path, index or folder alike
