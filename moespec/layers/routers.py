@@ -376,18 +376,18 @@ class ExpertChoiceRouter(Router):
         probs = logits.softmax(dim=-1)
         groups = Groups.of(x.shape[0], images, self.group, self.training)
         experts, size, count = self.num_experts, groups.items, groups.count
-        capacity = [self.capacity(n) for n in groups.sizes()]  # the last group may be shorter (eval)
+        full, last = (self.capacity(n) for n in groups.sizes())  # the last group may be shorter (eval)
         padded = F.pad(probs, (0, 0, 0, count * size - x.shape[0]), value=-1.0)  # a padding row is never chosen
-        values, chosen = padded.reshape(count, size, experts).transpose(1, 2).topk(capacity[0], dim=-1)  # [G, E, C]
+        values, chosen = padded.reshape(count, size, experts).transpose(1, 2).topk(full, dim=-1)  # [G, E, C]
         item = (chosen + torch.arange(count, device=x.device).view(-1, 1, 1) * size).transpose(0, 1)  # [E, G, C]
         values, expert = values.transpose(0, 1), torch.arange(experts, device=x.device).view(-1, 1, 1)
         expert = expert.expand_as(item)
         item, values, expert = item.reshape(-1), values.reshape(-1), expert.reshape(-1)
-        counts = torch.full((experts,), sum(capacity), dtype=torch.long, device=x.device)
+        counts = torch.full((experts,), full * (count - 1) + last, dtype=torch.long, device=x.device)
         tail = False
-        if capacity[-1] < capacity[0]:  # keep only the last group's own C choices
-            keep = torch.arange(capacity[0], device=x.device) < groups.per_group(capacity, x.device).view(-1, 1)
-            keep = keep.expand(experts, count, capacity[0]).reshape(-1)
+        if last < full:  # keep only the last group's own C choices
+            keep = torch.arange(full, device=x.device) < groups.per_group((full, last), x.device).view(-1, 1)
+            keep = keep.expand(experts, count, full).reshape(-1)
             if exporting():
                 values, item = values * keep, item.clamp(max=x.shape[0] - 1)
             elif sync_free(x.device):  # the choices left out after the segments, with weight 0 (`Routing.tail`)

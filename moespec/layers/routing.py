@@ -5,9 +5,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, NamedTuple
+from typing import Callable, NamedTuple, Sequence
 
 import torch
+from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
 from .collectives import all_reduce_sum
 from .dispatch import exporting, sync_free
@@ -72,21 +73,24 @@ class Groups:
     @classmethod
     def of(cls, items: int, images: int, size: int | None, training: bool) -> "Groups":
         """`size` images per group (None: the whole batch is one group)."""
+        if size == 1 and images:  # each image alone: the group sizes stay numbers under an export's dynamic batch
+            return cls(count=images, items=constant(items_per_image(items, images)), total=items)
         size = max(1, images if size is None else min(size, images))  # an empty batch is one empty group
         if training and images % size:
             raise ValueError(f"a training batch of {images} images is not a multiple of the routing group of {size} "
                              f"images (router.group); use a batch size divisible by {size}, or group: image")
         return cls(count=max(1, -(-images // size)), items=size * items_per_image(items, images), total=items)
 
-    def sizes(self) -> list[int]:
-        """Items in each group (the last may be shorter)."""
-        return [self.items] * (self.count - 1) + [self.total - self.items * (self.count - 1)]
+    def sizes(self) -> tuple[int, int]:
+        """Items in a full group and in the last (shorter where the batch is not a multiple of the group): two
+        numbers whatever the number of groups, so that an export with a dynamic batch traces them."""
+        return self.items, constant(self.total - self.items * (self.count - 1))
 
-    def per_group(self, values: list[int], device: torch.device) -> torch.Tensor:
-        """[G] one value per group (`values`, all equal but the last), made on the device without a copy from the
-        host (which waits for the device)."""
+    def per_group(self, values: Sequence[int], device: torch.device) -> torch.Tensor:
+        """[G] one value per group from (a full group's, the last group's), as `sizes()` gives the sizes, made on
+        the device without a copy from the host (which waits for the device)."""
         last = torch.arange(self.count, device=device) == self.count - 1
-        return torch.where(last, values[-1], values[0])
+        return torch.where(last, values[1], values[0])
 
     def of_item(self, device: torch.device) -> torch.Tensor:
         """[T] group index of each item."""
@@ -100,7 +104,14 @@ class Groups:
             return position
         order = stable_argsort(key, descending=descending)
         order = order[stable_argsort(group[order])]  # by group, then by key
-        return torch.empty_like(position).index_copy_(0, order, position)
+        return torch.empty_like(position).scatter_(0, order, position)  # index_copy_, as ONNX converts it cleanly
+
+
+def constant(n: int) -> int:
+    """`n` as a plain int where it is one: under an export with a dynamic batch, sizes such as (17 x batch) //
+    batch are symbols whose value is a constant, and the arithmetic on them (capacity's `round`) would be
+    traced into the graph, which ONNX cannot convert."""
+    return int(n) if isinstance(n, torch.SymInt) and is_concrete_int(n) else n
 
 
 def items_per_image(items: int, images: int) -> int:
@@ -137,13 +148,14 @@ class Pairs(NamedTuple):
 
 
 def group_pairs(experts: torch.Tensor, weights: torch.Tensor, num_experts: int, *,
-                priority: torch.Tensor | None = None, capacity: list[int] | None = None,
+                priority: torch.Tensor | None = None, capacity: Sequence[int] | None = None,
                 groups: Groups | None = None, dispatched: torch.Tensor | None = None) -> Pairs:
     """Group the choices `experts` [T, k] (gate values `weights` [T, k]) by expert.
 
-    Only the items where `dispatched` [T] is true take part (None: all). With a `capacity` (one per routing
-    group), each expert keeps, in each group, its first `capacity[g]` pairs in fill order: first choices
-    before second choices, then by item position, or by `priority` [T] descending (BPR).
+    Only the items where `dispatched` [T] is true take part (None: all). With a `capacity` (a full routing
+    group's and the last group's, as `Groups.sizes`), each expert keeps, in each group, its first C pairs in
+    fill order: first choices before second choices, then by item position, or by `priority` [T] descending
+    (BPR).
 
     The pairs left out are dropped on CPU. On the sync-free path (`dispatch.sync_free`: a GPU, torch.compile)
     they stay, with weight 0, after the experts' segments (`tail`), so that no shape depends on the data.
@@ -167,7 +179,7 @@ def group_pairs(experts: torch.Tensor, weights: torch.Tensor, num_experts: int, 
         bucket = flat * groups.count + groups.of_item(device).repeat_interleave(top_k)
         order = torch.argsort((bucket * top_k + slot) * groups.items + rank)
         buckets *= groups.count
-    counts = torch.zeros(buckets, dtype=torch.long, device=device).index_add_(
+    counts = torch.zeros(buckets, dtype=torch.long, device=device).scatter_add_(
         0, bucket, torch.ones_like(bucket))  # the dummy expert last; bincount's length would depend on the data
     expert = flat[order]
     keep = expert < num_experts
@@ -235,7 +247,7 @@ def load_counts(experts: torch.Tensor, num_experts: int) -> torch.Tensor:
     """[E] how many of the choices `experts` (any shape) pick each expert, as floats."""
     flat = experts.reshape(-1)
     ones = torch.ones(flat.numel(), device=flat.device)
-    return torch.zeros(num_experts, device=flat.device).index_add_(0, flat, ones)
+    return torch.zeros(num_experts, device=flat.device).scatter_add_(0, flat, ones)
 
 
 AUX_LOSSES: dict[str, Callable[[Routing], torch.Tensor]] = {}

@@ -78,12 +78,17 @@ def test_soft_moe_exports_where_eager_runs_the_loop(monkeypatch):
     assert loops == [1]
 
 
-@pytest.mark.parametrize("router", quick_first(["topk", "image", "soft"], {"topk"}))
+DYNAMIC = ["topk", "topk-capacity", "topk-bpr", "topk-drop", "expert_choice", "image", "soft"]
+
+
+@pytest.mark.parametrize("router", quick_first(DYNAMIC, {"topk", "expert_choice"}))
 def test_export_with_a_dynamic_batch_runs_at_other_batches_and_onnx_logs_nothing(router, tmp_path, caplog):
     """The README's export: `Dim("batch")` makes the batch dynamic (an export traced at batch 1 refused batch 4),
     and torch.onnx converts the MoE layers without logging "Attribute type is ambiguous" (once per layer, from
-    the index_put that built the export path's combine weights). Expert choice specializes the batch (its
-    routing groups are counted in Python): it exports at the traced batch only, as the README says."""
+    the index_put that built the export path's combine weights). Routers with per-image routing groups
+    (capacity, BPR, importance drops, expert choice) used to fix the batch at the traced size: the routing
+    groups' sizes were a Python list as long as the batch; now they are two numbers (a full group's, the
+    last's)."""
     onnxruntime = pytest.importorskip("onnxruntime")
     model = _model(TINY_VIT, ROUTERS[router])
     batch = {0: torch.export.Dim("batch")}
@@ -93,7 +98,7 @@ def test_export_with_a_dynamic_batch_runs_at_other_batches_and_onnx_logs_nothing
         torch.onnx.export(model, (torch.randn(2, *TINY_INPUT),), str(path), dynamo=True, dynamic_shapes=(batch,))
     assert not [r.getMessage() for r in caplog.records if r.levelname in ("WARNING", "ERROR")]
     session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    for size in 1, 4:
+    for size in 1, 3, 4:
         x = torch.randn(size, *TINY_INPUT)
         with torch.no_grad():
             expected = model(x)
