@@ -8,6 +8,7 @@ build modules or tally an inspection, so that validating YAML, `moespec schema` 
 the seconds torch takes to import.
 
     topk.py  token choice top-k     expert_choice.py  expert choice     image.py  image-level     soft.py  Soft MoE
+    choice.py  the settings top-k and image-level routing share (top_k, DeepSeek-V3's options, eval_top_k)
     hash.py  the hash router (Roller et al. 2021), opt-in: the README's worked example of a new kind
 """
 

@@ -12,7 +12,7 @@ from pydantic import BeforeValidator, Field, model_validator
 
 from ..spec.fields import FloatRange, IntRange, SpecModel
 from ..spec.models import MAX_EXPERTS
-from ..spec.registry import FieldError, Inspection
+from ..spec.registry import Inspection
 
 if TYPE_CHECKING:  # torch and the layers are imported where used (see routers/__init__)
     from torch import nn
@@ -34,85 +34,6 @@ MAX_CAPACITY_FACTOR = float(MAX_EXPERTS)
 """A capacity factor (top-k) or capacity (expert choice): a factor of experts / top_k already lets every expert
 take every item, and no layer has more than `MAX_EXPERTS` experts; Switch uses 1.25 (Fedus et al. 2022), expert
 choice 1 or 2 (Zhou et al. 2022)."""
-
-
-MAX_BIAS_RATE = 1.0
-"""`bias_balance.rate`: DeepSeek-V3 uses 0.001 (DeepSeek-AI 2024); softmax and sigmoid scores lie in [0, 1], so a
-rate of 1 already moves a bias across the whole score range in one step."""
-MAX_ROUTE_SCALE = 100.0
-"""`scale`: DeepSeek-V3 uses 2.5 (torchtitan's `route_scale`); 100 x a combine weight of at most 1 is already far
-beyond any published setting."""
-
-
-class BiasBalance(SpecModel):
-    """Auxiliary-loss-free load balancing (DeepSeek-V3, DeepSeek-AI 2024; Wang et al. 2024): a per-expert bias,
-    added to the scores only to choose the top k in training (the combine weights stay the unbiased scores),
-    moves by `rate * sign(mean load - load_e)` once per optimizer step (`moespec.update_bias`). It is a buffer,
-    not a parameter: saved in checkpoints, untouched by the optimizer, unused in eval."""
-
-    rate: FloatRange(0.0, MAX_BIAS_RATE, low_open=True) = 0.001
-    """The bias update speed gamma; DeepSeek-V3: 0.001."""
-
-
-class ExpertGroups(SpecModel):
-    """Group-limited top-k (DeepSeek-V3's n_group / topk_group): the experts are `count` groups of E / count; each
-    item keeps the `top` groups with the highest group score (the sum of its two highest scores) and picks its
-    top k among their experts."""
-
-    count: IntRange(1, MAX_EXPERTS)
-    """G: expert groups; must divide the experts."""
-    top: IntRange(1, MAX_EXPERTS)
-    """g: groups each item may route to, 1 <= g <= G."""
-
-    @model_validator(mode="after")
-    def _top_within_count(self) -> "ExpertGroups":
-        if self.top > self.count:
-            raise FieldError("top", f"top ({self.top}) must be between 1 and count ({self.count})")
-        return self
-
-
-def check_choice(router: Any, num_experts: int) -> None:
-    """A top-k router's `top_k` and `eval_top_k` against the routed experts and its `groups`; a `FieldError`."""
-    for field, k in (("top_k", router.top_k), ("eval_top_k", router.eval_top_k)):
-        if k is not None and k > num_experts:
-            raise FieldError(field, f"{field} ({k}) must be between 1 and experts ({num_experts})")
-    if router.groups is None:
-        return
-    count, top = router.groups.count, router.groups.top
-    if num_experts % count:
-        raise FieldError("groups", f"groups.count ({count}) must divide experts ({num_experts}) into equal groups")
-    reachable = top * (num_experts // count)
-    for field, k in (("top_k", router.top_k), ("eval_top_k", router.eval_top_k)):
-        if k is not None and k > reachable:
-            raise FieldError(field, f"{field} ({k}) is more than the {reachable} experts of the groups.top ({top}) "
-                                    f"groups of {num_experts // count} an item may use; lower {field} or raise "
-                                    f"groups.top")
-
-
-def expert_groups(groups: ExpertGroups | None) -> tuple[int, int] | None:
-    """A `groups:` spec as the router modules take it: (G, g), or None."""
-    return None if groups is None else (groups.count, groups.top)
-
-
-def choice_caveats(router: Any, num_experts: int) -> list[str]:
-    """Why the top-k choice of top-k or image routing may not compute an upcycled layer's dense FFN."""
-    found = []
-    if not router.normalize and router.score == "softmax" and router.top_k < num_experts:
-        found.append(f"the top-{router.top_k} gates are not renormalized (normalize: false), so the FFN output is "
-                     f"scaled by the kept gate mass")
-    if router.scale != 1.0:
-        found.append(f"the combine weights are multiplied by scale ({router.scale:g}), and so is the FFN output")
-    return found
-
-
-def describe_choice(router: Any) -> list[tuple[str, bool]]:
-    """The plan-column labels of the options top-k and image routing share, each with whether it is shown."""
-    groups, bias = router.groups, router.bias_balance
-    return [("norm", router.normalize and router.score == "softmax"), ("sigmoid", router.score == "sigmoid"),
-            (f"scale={router.scale:g}", router.scale != 1.0),
-            (f"groups={groups.top}/{groups.count}" if groups else "", groups is not None),
-            (f"bias-balance={bias.rate:g}" if bias else "", bias is not None),
-            (f"eval-k={router.eval_top_k}", router.eval_top_k not in (None, router.top_k))]
 
 
 class Gate(SpecModel):

@@ -7,25 +7,17 @@ from typing import Annotated, Any, ClassVar, Literal, Optional, Union
 
 from pydantic import Field, model_validator
 
-from ..spec.fields import FloatRange, IntRange
-from ..spec.models import MAX_EXPERTS, MAX_NOISE_STD
-from ..spec.registry import FieldError, RouterSpec, register_router_kind
+from ..spec.fields import FloatRange
+from ..spec.models import MAX_NOISE_STD
+from ..spec.registry import FieldError, register_router_kind
+from .choice import ChoiceRouterSpec
 from .gates import (
     MAX_CAPACITY_FACTOR,
-    MAX_ROUTE_SCALE,
     TOKENS,
-    BiasBalance,
-    ExpertGroups,
-    Gate,
-    GateField,
     RoutingGroup,
     build_gate,
-    check_choice,
-    choice_caveats,
-    describe_choice,
     describe_gate,
     describe_group,
-    expert_groups,
     images_per_group,
     sparse_moe,
 )
@@ -34,18 +26,13 @@ CapacityFactor = FloatRange(0.0, MAX_CAPACITY_FACTOR, low_open=True)
 
 
 @register_router_kind
-class TopKRouterSpec(RouterSpec):
+class TopKRouterSpec(ChoiceRouterSpec):
     """Token choice: every routed item picks its `top_k` experts (Shazeer et al. 2017)."""
 
     kind: Literal["topk"] = "topk"
-    top_k: IntRange(1, MAX_EXPERTS) = 1
-    """Experts per item k, 1 <= k <= experts."""
     capacity_factor: Optional[CapacityFactor] = None
     """Each expert takes at most ceil(capacity_factor * top_k * T / experts) of T items; null = dropless."""
     group: RoutingGroup = None
-    gate: GateField = Gate()
-    normalize: bool = False
-    """Renormalize the k selected gate values to sum to 1 (makes an upcycled model exactly dense)."""
     noise: Union[bool, FloatRange(0.0, MAX_NOISE_STD)] = False
     """Noisy top-k (training only): `true` adds N(0, (1/E)^2) to the logits; a number sets the std."""
     bpr: bool = False
@@ -53,17 +40,6 @@ class TopKRouterSpec(RouterSpec):
     drop_fraction: Annotated[float, Field(ge=0, lt=1)] = 0.0
     """Importance-score routing (Sparse-MLP): the items with the lowest top-1 gate value, this fraction of
     them, are not dispatched at all."""
-    score: Literal["softmax", "sigmoid"] = "softmax"
-    """How logits become scores: `softmax` over the experts, or `sigmoid` of each (DeepSeek-V3), whose k chosen
-    scores are always renormalized to sum to 1 (so `normalize` matters for softmax only)."""
-    scale: FloatRange(0.0, MAX_ROUTE_SCALE, low_open=True) = 1.0
-    """Multiplies the combine weights (DeepSeek-V3's route scale, 2.5)."""
-    bias_balance: Optional[BiasBalance] = None
-    """Auxiliary-loss-free load balancing (DeepSeek-V3); pair it with `aux_loss: []`."""
-    groups: Optional[ExpertGroups] = None
-    """Group-limited top-k (DeepSeek-V3): `{count: G, top: g}`."""
-    eval_top_k: Optional[IntRange(1, MAX_EXPERTS)] = None
-    """k in eval mode (Tutel's per-call top_k); default: top_k."""
     eval_capacity_factor: Optional[Union[CapacityFactor, Literal["dropless"]]] = None
     """The capacity factor in eval mode (DeepSpeed's eval_capacity_factor), or `dropless`; default:
     capacity_factor."""
@@ -91,43 +67,31 @@ class TopKRouterSpec(RouterSpec):
             return self.capacity_factor
         return None if self.eval_capacity_factor == "dropless" else self.eval_capacity_factor
 
-    def check_experts(self, num_experts: int) -> None:
-        check_choice(self, num_experts)
-
     def build(self, layer: Any, experts: Any, shared: Any) -> Any:
         from ..layers import TopKRouter  # torch: deferred (routers/__init__)
 
         noise = 1.0 / layer.num_experts if self.noise is True else float(self.noise)
         eval_capacity = "training" if self.eval_capacity_factor is None else self.eval_capacity()
         module = TopKRouter(build_gate(self.gate, layer.in_features, layer.num_experts), layer.num_experts,
-                            self.top_k, normalize=self.normalize, noise_std=noise,
-                            capacity_factor=self.capacity_factor, bpr=self.bpr, drop_fraction=self.drop_fraction,
-                            group=images_per_group(self.group), score=self.score, scale=self.scale,
-                            bias_rate=self.bias_balance.rate if self.bias_balance is not None else None,
-                            expert_groups=expert_groups(self.groups), eval_top_k=self.eval_top_k,
-                            eval_capacity_factor=eval_capacity)
+                            self.top_k, noise_std=noise, capacity_factor=self.capacity_factor, bpr=self.bpr,
+                            drop_fraction=self.drop_fraction, group=images_per_group(self.group),
+                            eval_capacity_factor=eval_capacity, **self.choice_options())
         return sparse_moe(module, layer, experts, shared)
 
     def describe(self, layer: Any) -> str:
         capacity = self.capacity_factor is not None or isinstance(self.eval_capacity_factor, float)
-        extras = describe_choice(self) + [
+        extras = self.choice_labels() + [
             ("noise", bool(self.noise)), ("bpr", self.bpr), (f"drop={self.drop_fraction:g}", self.drop_fraction > 0),
             (f"cf={self.capacity_factor}", self.capacity_factor is not None),
             (f"eval-cf={self.eval_capacity() or 'dropless'}", self.eval_capacity() != self.capacity_factor),
             (describe_group(self.group), capacity or self.drop_fraction > 0)]
         return " ".join([describe_gate("topk", self.gate)] + [label for label, on in extras if on])
 
-    def picks(self) -> int:
-        return self.top_k
-
-    def eval_picks(self) -> int:
-        return self.eval_top_k or self.top_k
-
     def report_name(self) -> str:
         return f"top-{self.top_k}"
 
     def caveats(self, layer: Any) -> list[str]:
-        found = choice_caveats(self, layer.num_experts)
+        found = super().caveats(layer)
         if self.capacity_factor is not None or self.drop_fraction > 0:
             found.append("tokens dropped by the capacity factor or importance-score routing get no FFN output")
         return found
