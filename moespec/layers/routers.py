@@ -161,7 +161,52 @@ def choose_experts(noisy: torch.Tensor, top_k: int, *, score: str = "softmax", n
     return (scores / scores.sum(dim=-1, keepdim=True) if sigmoid else scores), weights, experts
 
 
-class TopKRouter(Router):
+class ChoiceRouter(Router):
+    """What token choice and image routing share: a gate, the top-k choice (`choose_experts`) with DeepSeek-V3's
+    options, the balancing bias and an eval-time k. The arguments are `TopKRouter`'s."""
+
+    def __init__(self, gate: nn.Module, num_experts: int, top_k: int, *, normalize: bool = False,
+                 score: str = "softmax", scale: float = 1.0, bias_rate: float | None = None,
+                 expert_groups: tuple[int, int] | None = None, eval_top_k: int | None = None):
+        super().__init__()
+        self.gate, self.num_experts, self.top_k = gate, num_experts, top_k
+        self.normalize, self.score, self.scale = normalize, score, scale
+        self.expert_groups, self.eval_top_k = expert_groups, eval_top_k
+        self.balance = BalancingBias(num_experts, bias_rate) if bias_rate is not None else None
+
+    def active_top_k(self) -> int:
+        """k in the current mode: `eval_top_k` in eval, where one is set."""
+        return self.top_k if self.training or self.eval_top_k is None else self.eval_top_k
+
+    def router_weights(self) -> list[nn.Parameter]:
+        return self.gate.router_weights()
+
+    def experts_per_item(self, items: int, images: int) -> int:
+        return self.active_top_k()
+
+    def biased(self) -> bool:
+        """Whether the balancing bias chooses (and counts) in the current mode: in training, where there is one."""
+        return self.training and self.balance is not None
+
+    def choose(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`choose_experts` on `logits` [U, E] with this router's options in the current mode; the bias, where it
+        chooses, counts the choices. Returns (probs, weights, experts)."""
+        balance = self.balance if self.biased() else None
+        probs, weights, experts = choose_experts(logits, self.active_top_k(), score=self.score,
+                                                 normalize=self.normalize, scale=self.scale, balance=balance,
+                                                 expert_groups=self.expert_groups)
+        if balance is not None:
+            balance.count(experts)
+        return probs, weights, experts
+
+    def choice_repr(self) -> list[tuple[str, bool]]:
+        """`extra_repr`'s entries for these options, each with whether it is shown."""
+        return [(f"score={self.score}", self.score != "softmax"), (f"scale={self.scale:g}", self.scale != 1.0),
+                (f"expert_groups={self.expert_groups}", self.expert_groups is not None),
+                (f"eval_top_k={self.eval_top_k}", self.eval_top_k is not None)]
+
+
+class TopKRouter(ChoiceRouter):
     """Token choice top-k (Shazeer et al. 2017), optionally noisy, capacity-limited, BPR, importance drop, with
     DeepSeek-V3's routing options (sigmoid scores, a route scale, group-limited top-k and the aux-loss-free
     balancing bias; DeepSeek-AI 2024).
@@ -196,21 +241,10 @@ class TopKRouter(Router):
                  drop_fraction: float = 0.0, group: int | None = 1, score: str = "softmax", scale: float = 1.0,
                  bias_rate: float | None = None, expert_groups: tuple[int, int] | None = None,
                  eval_top_k: int | None = None, eval_capacity_factor: float | str | None = "training"):
-        super().__init__()
-        self.gate, self.num_experts, self.top_k = gate, num_experts, top_k
-        self.normalize, self.noise_std = normalize, noise_std
-        self.capacity_factor, self.bpr, self.drop_fraction = capacity_factor, bpr, drop_fraction
-        self.group, self.score, self.scale = group, score, scale
-        self.expert_groups = expert_groups
-        self.eval_top_k, self.eval_capacity_factor = eval_top_k, eval_capacity_factor
-        self.balance = BalancingBias(num_experts, bias_rate) if bias_rate is not None else None
-
-    def active_top_k(self) -> int:
-        """k in the current mode: `eval_top_k` in eval, where one is set."""
-        return self.top_k if self.training or self.eval_top_k is None else self.eval_top_k
-
-    def router_weights(self) -> list[nn.Parameter]:
-        return self.gate.router_weights()
+        super().__init__(gate, num_experts, top_k, normalize=normalize, score=score, scale=scale,
+                         bias_rate=bias_rate, expert_groups=expert_groups, eval_top_k=eval_top_k)
+        self.noise_std, self.capacity_factor, self.bpr = noise_std, capacity_factor, bpr
+        self.drop_fraction, self.group, self.eval_capacity_factor = drop_fraction, group, eval_capacity_factor
 
     def active_capacity_factor(self) -> float | None:
         """c in the current mode: `eval_capacity_factor` in eval, unless it is "training"."""
@@ -231,9 +265,6 @@ class TopKRouter(Router):
     def gate_macs(self, items: int, images: int) -> int:
         return items * self.gate.macs_per_item()
 
-    def experts_per_item(self, items: int, images: int) -> int:
-        return self.active_top_k()
-
     def capacity_rows(self, items: int) -> float | None:
         """Expert rows per `items` (one image's) when every expert runs its full capacity in full routing
         groups (None when dropless): E * capacity(T_group) / images per group."""
@@ -248,12 +279,8 @@ class TopKRouter(Router):
         if self.training and self.noise_std > 0:
             noisy = logits + torch.randn_like(logits) * self.noise_std
         top_k = self.active_top_k()
-        balance = self.balance if self.training else None  # eval ignores the bias
-        probs, weights, experts = choose_experts(noisy, top_k, score=self.score, normalize=self.normalize,
-                                                 scale=self.scale, balance=balance, expert_groups=self.expert_groups)
-        if balance is not None:
-            balance.count(experts)
-        if balance is not None or self.expert_groups is not None:
+        probs, weights, experts = self.choose(noisy)  # eval ignores the bias
+        if self.biased() or self.expert_groups is not None:
             load = load_counts(experts, self.num_experts)  # the noise model's smooth load knows no bias or groups
         else:
             load = smooth_load(logits, noisy, top_k, self.noise_std if self.training else 0.0, experts)
@@ -274,9 +301,7 @@ class TopKRouter(Router):
                   (f"capacity_factor={self.capacity_factor}", self.capacity_factor is not None),
                   ("bpr=True", self.bpr), (f"drop_fraction={self.drop_fraction:g}", self.drop_fraction > 0),
                   (f"group={self.group}", self.capacity_factor is not None or self.drop_fraction > 0),
-                  (f"score={self.score}", self.score != "softmax"), (f"scale={self.scale:g}", self.scale != 1.0),
-                  (f"expert_groups={self.expert_groups}", self.expert_groups is not None),
-                  (f"eval_top_k={self.eval_top_k}", self.eval_top_k is not None),
+                  *self.choice_repr(),
                   (f"eval_capacity_factor={self.eval_capacity_factor}", self.eval_capacity_factor != "training")]
         return ", ".join([f"experts={self.num_experts}, top_k={self.top_k}"] + [text for text, on in extras if on])
 
@@ -293,7 +318,7 @@ def limit_to_groups(scores: torch.Tensor, count: int, top: int) -> torch.Tensor:
     return grouped.masked_fill(mask.unsqueeze(-1), float("-inf")).view(items, experts)
 
 
-class ImageRouter(Router):
+class ImageRouter(ChoiceRouter):
     """Image-level routing (ViMoE): the gate reads one vector per image, the [CLS] token (`pool="cls"`,
     the first token of each image's sequence) or the mean token, and picks top-k experts for every token
     of that image. `score`, `scale`, `bias_rate`, `expert_groups` and `eval_top_k` are `TopKRouter`'s, per image.
@@ -302,35 +327,18 @@ class ImageRouter(Router):
     def __init__(self, gate: nn.Module, num_experts: int, top_k: int, *, normalize: bool = False, pool: str = "cls",
                  score: str = "softmax", scale: float = 1.0, bias_rate: float | None = None,
                  expert_groups: tuple[int, int] | None = None, eval_top_k: int | None = None):
-        super().__init__()
-        self.gate, self.num_experts, self.top_k = gate, num_experts, top_k
-        self.normalize, self.pool, self.score, self.scale = normalize, pool, score, scale
-        self.expert_groups, self.eval_top_k = expert_groups, eval_top_k
-        self.balance = BalancingBias(num_experts, bias_rate) if bias_rate is not None else None
-
-    def active_top_k(self) -> int:
-        """k in the current mode: `eval_top_k` in eval, where one is set."""
-        return self.top_k if self.training or self.eval_top_k is None else self.eval_top_k
-
-    def router_weights(self) -> list[nn.Parameter]:
-        return self.gate.router_weights()
+        super().__init__(gate, num_experts, top_k, normalize=normalize, score=score, scale=scale,
+                         bias_rate=bias_rate, expert_groups=expert_groups, eval_top_k=eval_top_k)
+        self.pool = pool
 
     def gate_macs(self, items: int, images: int) -> int:
         return images * self.gate.macs_per_item()  # one decision per image
-
-    def experts_per_item(self, items: int, images: int) -> int:
-        return self.active_top_k()  # every token goes where its image goes
 
     def route(self, x: torch.Tensor, images: int = 1) -> Routing:
         per_image = x.reshape(images, items_per_image(x.shape[0], images), x.shape[-1])
         vectors = per_image[:, 0] if self.pool == "cls" else per_image.mean(dim=1)
         logits = at_least_fp32(self.gate(vectors))
-        balance = self.balance if self.training else None  # eval ignores the bias
-        probs, weights, experts = choose_experts(logits, self.active_top_k(), score=self.score,
-                                                 normalize=self.normalize, scale=self.scale, balance=balance,
-                                                 expert_groups=self.expert_groups)
-        if balance is not None:
-            balance.count(experts)  # one choice per image: the loads are images
+        probs, weights, experts = self.choose(logits)  # one choice per image: the bias's loads are images
         tokens = per_image.shape[1]
         token_experts = experts.repeat_interleave(tokens, dim=0)
         pairs = group_pairs(token_experts, weights.repeat_interleave(tokens, dim=0), self.num_experts)
@@ -338,11 +346,8 @@ class ImageRouter(Router):
                        load_counts(experts, self.num_experts), pairs.kept, pairs.expert, position=pairs.position)
 
     def extra_repr(self) -> str:
-        extras = [(f"score={self.score}", self.score != "softmax"), (f"scale={self.scale:g}", self.scale != 1.0),
-                  (f"expert_groups={self.expert_groups}", self.expert_groups is not None),
-                  (f"eval_top_k={self.eval_top_k}", self.eval_top_k is not None)]
         return ", ".join([f"experts={self.num_experts}, top_k={self.top_k}, normalize={self.normalize}, "
-                          f"pool={self.pool}"] + [text for text, on in extras if on])
+                          f"pool={self.pool}"] + [text for text, on in self.choice_repr() if on])
 
 
 class ExpertChoiceRouter(Router):
