@@ -4,7 +4,8 @@
     padded      rows scattered into [E, max count, C] and two batched matmuls
     loop        one dense matmul per expert segment
     triton      (forced only, `Experts.dispatch = "triton"`; never picked here) the fused Triton kernels of
-                `fused.py`, unmeasured on a GPU so far
+                `fused.py`: on an H200 faster than grouped_mm in some forwards at T = 12608 and slower in every
+                forward+backward (docs/gpu.md), so not yet a default
 
 The rule is a pure function of the device, the dtype, the widths, the experts stacked in the bank, the
 rows routed to them and whether autograd records the forward. The same inputs always give the same step, so

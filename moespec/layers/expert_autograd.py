@@ -19,7 +19,7 @@ from torch.autograd.function import once_differentiable
 
 from .dispatch import traced
 from .gradient_memory import empty_gradient
-from .grouped import segment_mm, segment_outer, segment_slices
+from .grouped import segment_mm, segment_outer, segment_slices, segment_sum
 
 
 class ExpertLinear(torch.autograd.Function):
@@ -73,13 +73,6 @@ class ExpertLinear(torch.autograd.Function):
             else:  # deterministic, and no atomics piling onto E rows as in index_add_ on a GPU
                 grad_bias = segment_sum(grad, offsets)
         return grad_x, grad_weight, grad_bias, None, None, None
-
-
-def segment_sum(rows: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """[E, N]: the sum of each expert's rows of `rows` [S, N], as a grouped matmul with a column of ones (padded
-    to 16 bytes, what the grouped kernels need)."""
-    ones = rows.new_ones(rows.shape[0], max(1, 16 // rows.element_size()))
-    return segment_outer(rows, ones, offsets)[..., 0]
 
 
 def _weight_gradient_cpu(grad: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor,

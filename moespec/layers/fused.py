@@ -14,23 +14,26 @@ dropped: they give 0, and no gradient):
                           y = z.view(T, k, C').sum(1)
   backward:
     _fc2_backward_kernel  g = dy[order[r] // k] @ w2[e]
-                          dgate[r] = g . h[r] + dy[order[r] // k] . b2[e]
+                          dgate[r] = g . h[r]   (+ dy[order[r] // k] . b2[e], one [T, E] product outside)
                           dpre[r] = act'(pre[r]) * gate[r] * g                  activation backward in the epilogue
     _rows_kernel          dz[order[r]] = dpre[r] @ w1[e];  d items = dz.view(T, k, C).sum(1)
-    _outer_kernel         dw2[e] = sum_r (gate dy)^T h,  db2[e] = sum_r gate dy;  dw1[e] = sum_r dpre^T x,  db1[e]
+    weight gradients      dw2[e] = sum_r (gate dy)^T h,  db2[e] = sum_r gate dy;  dw1[e] = sum_r dpre^T x,  db1[e]:
+                          16-bit weights on a GPU, torch's grouped GEMM on the gathered rows; else `_outer_kernel`
 
 No host sync: each row-block program finds its expert and rows from the int32 segment ends on the device
 (`_segment_of_block`), over a static grid of ceil(P / BLOCK_M) + E + 1 row blocks (E segments and the tail,
 each rounding up once); the blocks past the segments return at once. Every launch's grid depends only on the
-shapes.
+shapes. The row kernels run on a one-dimensional grid in a grouped raster (`_tile`): GROUP_M row blocks sweep
+the column blocks together, so that their rows are read from memory once.
 
 Experts: plain (GELU with erf, as timm's nn.GELU, or SiLU) or gated (GLU either order, e.g. SwiGLU), fc1 / fc2
 biases optional; no inner norm, no dropout. Matmuls run in the weights' dtype (fp32, bf16, fp16; the items are
 cast in the loads) with fp32 accumulation (`tl.dot`; fp32 as IEEE unless torch allows TF32 for CUDA matmuls).
 
-The block sizes below (`_blocks`) are GPU-sensible defaults, untuned: no GPU has run these kernels yet. Under
-`TRITON_INTERPRET=1` (the CPU, for tests) the blocks are the smallest `tl.dot` takes, so that small tests cross
-several row and column blocks.
+Each kernel's tile config is in `CONFIGS`, chosen from what tools/tune_fused.py measured on an H200 among the
+configs that do not spill (tools/kernel_report.py); docs/gpu.md has the figures. Under `TRITON_INTERPRET=1`
+(the CPU, for tests) the blocks are the smallest `tl.dot` takes, so that small tests cross several row and
+column blocks.
 
 The two ops (`moespec::fused_ffn`, `moespec::fused_ffn_backward`) are `torch.library.custom_op`s with fake
 functions: torch.compile traces them whole and runs them as they are. (`torch.library.triton_op` would let
@@ -45,6 +48,8 @@ from __future__ import annotations
 import os
 
 import torch
+
+from .grouped import has_grouped_mm, segment_outer, segment_sum
 
 try:
     import triton
@@ -132,12 +137,29 @@ class FusedExperts(torch.autograd.Function):
         return d_items, None, d_w1, d_b1, d_w2, d_b2, d_gates, None, None, None, None
 
 
-def _blocks(dtype: torch.dtype) -> dict[str, int]:
-    """Tile sizes and launch options (untuned GPU defaults; the smallest under the interpreter)."""
+# Tile shapes and launch options per kernel, for 16-bit weights on a Hopper GPU (fp32 takes BLOCK_K <= 32): of
+# the candidates tools/tune_fused.py timed on an H200 (docs/gpu.md), the fastest that neither spills registers
+# (tools/kernel_report.py) nor needs more shared memory than sm_90 has, GLU experts included. GROUP_M row blocks
+# sweep the column blocks together (the grouped raster), so that their rows, gathered or not, come from memory
+# once and then from L2.
+CONFIGS: dict[str, dict[str, int]] = {
+    "fc1": {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3},
+    "fc2": {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3},
+    "fc2_backward": {"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3},
+    "fc1_backward": {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3},
+    "outer": {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 1, "num_warps": 8, "num_stages": 3},
+}
+INTERPRETER_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 16, "GROUP_M": 2}  # several row and column blocks
+
+
+def _config(kernel: str, dtype: torch.dtype) -> dict[str, int]:
+    """`kernel`'s tile sizes and launch options for weights of `dtype` (the smallest under the interpreter)."""
     if INTERPRETED:
-        return {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 16}
-    return {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 32 if dtype == torch.float32 else 64, "num_warps": 8,
-            "num_stages": 3}
+        return dict(INTERPRETER_CONFIG)
+    config = dict(CONFIGS[kernel])
+    if dtype == torch.float32:
+        config["BLOCK_K"] = min(config["BLOCK_K"], 32)
+    return config
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -148,6 +170,17 @@ def _precision(dtype: torch.dtype) -> str:
 def _row_blocks(rows: int, experts: int, block_m: int) -> int:
     """A static bound on the row blocks of E segments and the tail: each rounds up at most once."""
     return triton.cdiv(rows, block_m) + experts + 1
+
+
+def _row_launch(kernel, name: str, dtype: torch.dtype, rows: int, experts: int, columns: int, *args,
+                **flags) -> dict[str, int]:
+    """Launch row kernel `kernel` over every (row block, column block) tile of `rows` sorted rows and `columns`
+    output columns, in one dimension (`_tile` rasters it). Returns the config it ran with."""
+    config = _config(name, dtype)
+    row_blocks = _row_blocks(rows, experts, config["BLOCK_M"])
+    grid = (row_blocks * triton.cdiv(columns, config["BLOCK_N"]),)
+    _launch(kernel, grid, *args, row_blocks, PRECISION=_precision(dtype), **flags, **config)
+    return config
 
 
 def _fused_ffn(items: torch.Tensor, offsets: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None,
@@ -163,18 +196,14 @@ def _fused_ffn(items: torch.Tensor, offsets: torch.Tensor, w1: torch.Tensor, b1:
     h = items.new_empty(rows, hidden, dtype=dtype)
     z = items.new_empty(rows, out_features, dtype=out_dtype)
     if rows:
-        blocks = _blocks(dtype)
-        row_blocks = _row_blocks(rows, experts, blocks["BLOCK_M"])
-        _launch(_fc1_kernel, (row_blocks, triton.cdiv(hidden, blocks["BLOCK_N"])),
-                items, order, w1, b1, offsets, pre, h, rows, experts, top_k, in_features, hidden,
-                items.stride(0), w1.stride(0), w1.stride(1), _stride(b1), pre.stride(0), h.stride(0),
-                GATHER=order is not None, HAS_BIAS=b1 is not None, SAVE_PRE=save, ACT=act, GLU=glu,
-                PRECISION=_precision(dtype), **blocks)
-        _launch(_rows_kernel, (row_blocks, triton.cdiv(out_features, blocks["BLOCK_N"])),
-                h, w2, b2, gates, order, offsets, z, rows, experts, hidden, out_features,
-                h.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), _stride(b2), z.stride(0),
-                SCATTER=order is not None, HAS_BIAS=b2 is not None, HAS_GATE=gates is not None,
-                PRECISION=_precision(dtype), **blocks)
+        _row_launch(_fc1_kernel, "fc1", dtype, rows, experts, hidden,
+                    items, order, w1, b1, offsets, pre, h, rows, experts, top_k, in_features, hidden,
+                    items.stride(0), w1.stride(0), w1.stride(1), _stride(b1), pre.stride(0), h.stride(0),
+                    GATHER=order is not None, HAS_BIAS=b1 is not None, SAVE_PRE=save, ACT=act, GLU=glu)
+        _row_launch(_rows_kernel, "fc2", dtype, rows, experts, out_features,
+                    h, w2, b2, gates, order, offsets, z, rows, experts, hidden, out_features,
+                    h.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), _stride(b2), z.stride(0),
+                    SCATTER=order is not None, HAS_BIAS=b2 is not None, HAS_GATE=gates is not None)
     y = z if top_k == 1 else z.view(-1, top_k, out_features).sum(1)
     return y, pre, h
 
@@ -189,51 +218,103 @@ def _fused_ffn_backward(grad: torch.Tensor, items: torch.Tensor, offsets: torch.
     experts, _, in_features = w1.shape
     out_features, hidden = w2.shape[1:]
     dtype = w1.dtype
-    blocks = _blocks(dtype)
-    block_n = blocks["BLOCK_N"]
-    hidden_blocks = triton.cdiv(hidden, block_n)
+    hidden_blocks = triton.cdiv(hidden, _config("fc2_backward", dtype)["BLOCK_N"])
     d_pre = pre.new_empty(rows, wide)
     d_gates = grad.new_empty((rows, hidden_blocks) if gates is not None else (0, hidden_blocks), dtype=torch.float32)
     d_slots = items.new_empty(rows, in_features)
-    d_w1, d_w2 = torch.empty_like(w1), torch.empty_like(w2)
-    d_b1 = torch.empty_like(b1) if b1 is not None else w1.new_empty(0)
-    d_b2 = torch.empty_like(b2) if b2 is not None else w2.new_empty(0)
-    if rows:
-        row_blocks = _row_blocks(rows, experts, blocks["BLOCK_M"])
-        precision = _precision(dtype)
-        _launch(_fc2_backward_kernel, (row_blocks, hidden_blocks),
-                grad, order, w2, b2, gates, pre, offsets, d_pre, d_gates, rows, experts, top_k, out_features, hidden,
-                grad.stride(0), w2.stride(0), w2.stride(1), _stride(b2), pre.stride(0), d_pre.stride(0),
-                d_gates.stride(0), GATHER=order is not None, HAS_BIAS=b2 is not None, HAS_GATE=gates is not None,
-                ACT=act, GLU=glu, PRECISION=precision, **blocks)
-        _launch(_rows_kernel, (row_blocks, triton.cdiv(in_features, block_n)),
+    if not rows:
+        d_items = items.new_zeros(items.shape)
+        d_b1 = w1.new_zeros(b1.shape) if b1 is not None else w1.new_empty(0)
+        d_b2 = w2.new_zeros(b2.shape) if b2 is not None else w2.new_empty(0)
+        d_gate = gates.new_empty(0) if gates is not None else grad.new_empty(0)
+        return d_items, torch.zeros_like(w1), d_b1, torch.zeros_like(w2), d_b2, d_gate
+    _row_launch(_fc2_backward_kernel, "fc2_backward", dtype, rows, experts, hidden,
+                grad, order, w2, gates, pre, offsets, d_pre, d_gates, rows, experts, top_k, out_features, hidden,
+                grad.stride(0), w2.stride(0), w2.stride(1), pre.stride(0), d_pre.stride(0), d_gates.stride(0),
+                GATHER=order is not None, HAS_GATE=gates is not None, ACT=act, GLU=glu)
+    _row_launch(_rows_kernel, "fc1_backward", dtype, rows, experts, in_features,
                 d_pre, w1, None, None, order, offsets, d_slots, rows, experts, wide, in_features,
                 d_pre.stride(0), w1.stride(0), w1.stride(2), w1.stride(1), 0, d_slots.stride(0),
-                SCATTER=order is not None, HAS_BIAS=False, HAS_GATE=False, PRECISION=precision, **blocks)
-        _outer(grad, order, top_k, gates, h, None, 1, offsets, d_w2, d_b2 if b2 is not None else None, blocks,
-               precision)
-        _outer(d_pre, None, 1, None, items, order, top_k, offsets, d_w1, d_b1 if b1 is not None else None, blocks,
-               precision)
-    else:
-        for g in (d_w1, d_w2, d_b1, d_b2):
-            g.zero_()
+                SCATTER=order is not None, HAS_BIAS=False, HAS_GATE=False)
+    d_w1, d_b1, d_w2, d_b2 = _weight_gradients(grad, items, offsets, w1, b1, w2, b2, gates, order, d_pre, h, top_k)
     d_items = d_slots if top_k == 1 else d_slots.view(-1, top_k, in_features).sum(1)
-    d_gate = d_gates.sum(1).to(gates.dtype) if gates is not None else grad.new_empty(0)
+    d_gate = grad.new_empty(0)
+    if gates is not None:
+        d_gate = d_gates.sum(1)
+        if b2 is not None:  # + dy . b2[e] of each pair: [T, E] products, one picked per pair
+            d_gate = d_gate + _bias_products(grad, b2, offsets, order, top_k)
+        d_gate = d_gate.to(gates.dtype)
     return d_items, d_w1, d_b1, d_w2, d_b2, d_gate
+
+
+def _bias_products(grad: torch.Tensor, bias: torch.Tensor, offsets: torch.Tensor, order: torch.Tensor | None,
+                   top_k: int) -> torch.Tensor:
+    """[P] dy[item of r] . bias[expert of r] for each sorted row r (fp32); 0 for a tail row."""
+    rows = order.shape[0] if order is not None else grad.shape[0]
+    experts = bias.shape[0]
+    row = torch.arange(rows, device=grad.device, dtype=offsets.dtype)
+    expert = torch.searchsorted(offsets, row, right=True)  # E for a tail row
+    item = row if order is None else order // top_k
+    products = torch.mm(grad.float(), bias.float().t())  # [T, E]
+    picked = products.view(-1).index_select(0, item.long() * experts + expert.clamp(max=experts - 1))
+    return picked.masked_fill_(expert >= experts, 0)
+
+
+def _weight_gradients(grad: torch.Tensor, items: torch.Tensor, offsets: torch.Tensor, w1: torch.Tensor,
+                      b1: torch.Tensor | None, w2: torch.Tensor, b2: torch.Tensor | None, gates: torch.Tensor | None,
+                      order: torch.Tensor | None, d_pre: torch.Tensor, h: torch.Tensor, top_k: int):
+    """(d w1, d b1, d w2, d b2) of each expert from its rows: dw2[e] = sum_r (gate dy)^T h, dw1[e] = sum_r
+    dpre^T x. In 16 bits on a GPU, torch's grouped GEMM (`grouped.segment_outer`, CUTLASS's tuned sm90 kernels)
+    over the gathered rows, made once each (a [P, C] pass, a fraction of the GEMM's time); elsewhere (fp32,
+    where torch's grouped GEMM reads the offsets on the host; widths not 16-byte aligned; the interpreter) the
+    Triton kernel that gathers the rows in its loads."""
+    dtype = w1.dtype
+    if _grouped_weight_gradients(w1, w2):
+        item = None if order is None else order // top_k
+        dy = grad if item is None else grad.index_select(0, item)
+        dy = (dy * gates.unsqueeze(-1) if gates is not None else dy).to(dtype)
+        x = (items if item is None else items.index_select(0, item)).to(dtype)
+        d_w2 = segment_outer(dy, h, offsets)
+        d_w1 = segment_outer(d_pre, x, offsets)
+        # contiguous, as the fake function's outputs are (torch.compile's inductor checks the strides)
+        d_b2 = segment_sum(dy, offsets).to(dtype).contiguous() if b2 is not None else w2.new_empty(0)
+        d_b1 = segment_sum(d_pre, offsets).to(dtype).contiguous() if b1 is not None else w1.new_empty(0)
+        return d_w1, d_b1, d_w2, d_b2
+    d_w1, d_w2 = torch.empty_like(w1), torch.empty_like(w2)
+    d_b1 = torch.empty_like(b1) if b1 is not None else None
+    d_b2 = torch.empty_like(b2) if b2 is not None else None
+    _outer(grad, order, top_k, gates, h, None, 1, offsets, d_w2, d_b2)
+    _outer(d_pre, None, 1, None, items, order, top_k, offsets, d_w1, d_b1)
+    return d_w1, w1.new_empty(0) if d_b1 is None else d_b1, d_w2, w2.new_empty(0) if d_b2 is None else d_b2
+
+
+WEIGHT_GRADIENTS = "auto"  # "auto" | "grouped_mm" | "triton": how `_weight_gradients` runs (tests force each)
+
+
+def _grouped_weight_gradients(w1: torch.Tensor, w2: torch.Tensor) -> bool:
+    """Whether the weight gradients go through torch's grouped GEMM: 16-bit weights on a GPU, every width
+    16-byte aligned; or where forced (`WEIGHT_GRADIENTS`)."""
+    if WEIGHT_GRADIENTS != "auto":
+        return WEIGHT_GRADIENTS == "grouped_mm"
+    widths = (*w1.shape[1:], *w2.shape[1:])
+    return (w1.device.type == "cuda" and w1.dtype in (torch.bfloat16, torch.float16) and has_grouped_mm()
+            and all(width * w1.element_size() % 16 == 0 for width in widths))
 
 
 def _outer(a: torch.Tensor, a_order: torch.Tensor | None, a_div: int, gates: torch.Tensor | None, b: torch.Tensor,
            b_order: torch.Tensor | None, b_div: int, offsets: torch.Tensor, out: torch.Tensor,
-           bias_out: torch.Tensor | None, blocks: dict, precision: str) -> None:
+           bias_out: torch.Tensor | None) -> None:
     """out[e] = sum over e's rows r of (gate[r] a[order[r] // div])^T b[...] (each row index by its own order and
     divisor, or r); bias_out[e] = the sum of those rows of a."""
     experts, m, n = out.shape
-    tiles = triton.cdiv(m, blocks["BLOCK_M"]) * triton.cdiv(n, blocks["BLOCK_N"])
+    config = _config("outer", out.dtype)
+    config.pop("GROUP_M")
+    tiles = triton.cdiv(m, config["BLOCK_M"]) * triton.cdiv(n, config["BLOCK_N"])
     _launch(_outer_kernel, (experts, tiles),
             a, a_order, gates, b, b_order, offsets, out, bias_out, a_div, b_div, m, n,
             a.stride(0), b.stride(0), out.stride(0), out.stride(1), _stride(bias_out),
             A_GATHER=a_order is not None, B_GATHER=b_order is not None, SCALE_A=gates is not None,
-            BIAS_GRAD=bias_out is not None, PRECISION=precision, **blocks)
+            BIAS_GRAD=bias_out is not None, PRECISION=_precision(out.dtype), **config)
 
 
 def _stride(t: torch.Tensor | None) -> int:
@@ -323,20 +404,32 @@ if triton is not None:
             return s * (1.0 + x * (1.0 - s))
 
     @triton.jit
+    def _tile(pid, row_blocks, columns, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+        """(row block, column block) of program `pid` in the grouped raster: GROUP_M consecutive row blocks sweep
+        the column blocks together, so that their rows (gathered or not) are read from memory once and then
+        from L2 for every column block, and each column block's weights are read once per group."""
+        column_blocks = tl.cdiv(columns, BLOCK_N)
+        in_group = GROUP_M * column_blocks
+        first = (pid // in_group) * GROUP_M
+        size = tl.minimum(row_blocks - first, GROUP_M)
+        return first + (pid % in_group) % size, (pid % in_group) // size
+
+    @triton.jit
     def _fc1_kernel(x_ptr, order_ptr, w_ptr, b_ptr, offsets_ptr, pre_ptr, h_ptr,
                     rows, experts, top_k, in_features, hidden,
-                    stride_x, stride_we, stride_wn, stride_be, stride_pre, stride_h,
+                    stride_x, stride_we, stride_wn, stride_be, stride_pre, stride_h, row_blocks,
                     GATHER: tl.constexpr, HAS_BIAS: tl.constexpr, SAVE_PRE: tl.constexpr, ACT: tl.constexpr,
                     GLU: tl.constexpr, PRECISION: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
         """pre = x[order // k] @ w[e].T + b[e] (saved if SAVE_PRE), h = act(pre) (GLU: of both halves of w's rows,
         a = rows [0, H), b = rows [H, 2H)). The tail's rows are not written: nothing reads them."""
-        expert, first, end = _segment_of_block(tl.program_id(0), offsets_ptr, experts, rows, BLOCK_M)
+        block, column_block = _tile(tl.program_id(0), row_blocks, hidden, BLOCK_N, GROUP_M)
+        expert, first, end = _segment_of_block(block, offsets_ptr, experts, rows, BLOCK_M)
         if (expert < 0) | (expert == experts):
             return
         row = first + tl.arange(0, BLOCK_M)
         row_mask = row < end
-        col = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        col = column_block * BLOCK_N + tl.arange(0, BLOCK_N)
         col_mask = col < hidden
         source = row
         if GATHER:
@@ -382,17 +475,18 @@ if triton is not None:
     @triton.jit
     def _rows_kernel(a_ptr, w_ptr, b_ptr, gate_ptr, order_ptr, offsets_ptr, out_ptr,
                      rows, experts, in_features, out_features,
-                     stride_a, stride_we, stride_wn, stride_wk, stride_be, stride_out,
+                     stride_a, stride_we, stride_wn, stride_wk, stride_be, stride_out, row_blocks,
                      SCATTER: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_GATE: tl.constexpr, PRECISION: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
         """out[order[r]] = gate[r] * (a[r] @ w[e] + b[e]), w[e][k, n] at stride_wk, stride_wn (fc2: w2[e].T; the
         rows' gradient of fc1: w1[e]). The tail's rows get 0."""
-        expert, first, end = _segment_of_block(tl.program_id(0), offsets_ptr, experts, rows, BLOCK_M)
+        block, column_block = _tile(tl.program_id(0), row_blocks, out_features, BLOCK_N, GROUP_M)
+        expert, first, end = _segment_of_block(block, offsets_ptr, experts, rows, BLOCK_M)
         if expert < 0:
             return
         row = first + tl.arange(0, BLOCK_M)
         row_mask = row < end
-        col = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        col = column_block * BLOCK_N + tl.arange(0, BLOCK_N)
         col_mask = col < out_features
         mask = row_mask[:, None] & col_mask[None, :]
         target = row
@@ -418,44 +512,45 @@ if triton is not None:
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _fc2_backward_kernel(dy_ptr, order_ptr, w_ptr, b_ptr, gate_ptr, pre_ptr, offsets_ptr, dpre_ptr, dgate_ptr,
+    def _fc2_backward_kernel(dy_ptr, order_ptr, w_ptr, gate_ptr, pre_ptr, offsets_ptr, dpre_ptr, dgate_ptr,
                              rows, experts, top_k, out_features, hidden,
-                             stride_dy, stride_we, stride_wk, stride_be, stride_pre, stride_dpre, stride_dgate,
-                             GATHER: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_GATE: tl.constexpr,
-                             ACT: tl.constexpr, GLU: tl.constexpr, PRECISION: tl.constexpr,
-                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                             stride_dy, stride_we, stride_wk, stride_pre, stride_dpre, stride_dgate, row_blocks,
+                             GATHER: tl.constexpr, HAS_GATE: tl.constexpr, ACT: tl.constexpr, GLU: tl.constexpr,
+                             PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                             BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
         """g = dy[order // k] @ w2[e] (w2[e][k, n] at stride_wk, 1); this column block's share of each row's gate
-        gradient, g . h (+ dy . b2[e] in column block 0), into dgate[r, column block]; dpre = act'(pre) * gate * g.
-        The tail's rows get a gate gradient of 0 (their dpre is never read)."""
-        expert, first, end = _segment_of_block(tl.program_id(0), offsets_ptr, experts, rows, BLOCK_M)
+        gradient, g . h, into dgate[r, column block] (the output bias's share, dy . b2[e], is added outside);
+        dpre = act'(pre) * gate * g. The tail's rows get dpre = 0 and a gate gradient of 0."""
+        block, column_block = _tile(tl.program_id(0), row_blocks, hidden, BLOCK_N, GROUP_M)
+        expert, first, end = _segment_of_block(block, offsets_ptr, experts, rows, BLOCK_M)
         if expert < 0:
             return
-        column_block = tl.program_id(1)
         row = first + tl.arange(0, BLOCK_M)
         row_mask = row < end
-        if expert == experts:
+        col = column_block * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_mask = col < hidden
+        mask = row_mask[:, None] & col_mask[None, :]
+        dpre = dpre_ptr + row.to(tl.int64)[:, None] * stride_dpre + col[None, :]
+        if expert == experts:  # the tail: zeros, so that a reduction over every row may read them
+            zeros = tl.zeros((BLOCK_M, BLOCK_N), dtype=dpre_ptr.dtype.element_ty)
+            tl.store(dpre, zeros, mask=mask)
+            if GLU != 0:
+                tl.store(dpre + hidden, zeros, mask=mask)
             if HAS_GATE:
                 tl.store(dgate_ptr + row * stride_dgate + column_block, tl.zeros((BLOCK_M,), tl.float32), mask=row_mask)
             return
-        col = column_block * BLOCK_N + tl.arange(0, BLOCK_N)
-        col_mask = col < hidden
         source = row
         if GATHER:
             source = tl.load(order_ptr + row, mask=row_mask, other=0) // top_k
         dy_rows = dy_ptr + source.to(tl.int64)[:, None] * stride_dy
         w_cols = w_ptr + expert.to(tl.int64) * stride_we + col[None, :]
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        bias_dot = tl.zeros((BLOCK_M,), dtype=tl.float32)
         for k0 in range(0, out_features, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
             k_mask = k < out_features
             dy = tl.load(dy_rows + k[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
             w = tl.load(w_cols + k[:, None] * stride_wk, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
             acc = _dot(dy.to(w_ptr.dtype.element_ty), w, acc, PRECISION)
-            if HAS_GATE and HAS_BIAS:
-                bias = tl.load(b_ptr + expert * stride_be + k, mask=k_mask, other=0.0).to(tl.float32)
-                bias_dot += tl.sum(dy.to(tl.float32) * bias[None, :], axis=1)
-        mask = row_mask[:, None] & col_mask[None, :]
         pre = pre_ptr + row.to(tl.int64)[:, None] * stride_pre + col[None, :]
         a = tl.load(pre, mask=mask, other=0.0).to(tl.float32)
         b = a
@@ -468,12 +563,8 @@ if triton is not None:
                 h = _act(a, ACT) * b
             else:
                 h = a * _act(b, ACT)
-            share = tl.sum(acc * h, axis=1)
-            if HAS_BIAS:
-                share += tl.where(column_block == 0, bias_dot, 0.0)
-            tl.store(dgate_ptr + row * stride_dgate + column_block, share, mask=row_mask)
+            tl.store(dgate_ptr + row * stride_dgate + column_block, tl.sum(acc * h, axis=1), mask=row_mask)
             acc *= tl.load(gate_ptr + row, mask=row_mask, other=0.0).to(tl.float32)[:, None]
-        dpre = dpre_ptr + row.to(tl.int64)[:, None] * stride_dpre + col[None, :]
         if GLU == 0:
             tl.store(dpre, (acc * _act_grad(a, ACT)).to(dpre_ptr.dtype.element_ty), mask=mask)
         elif GLU == 1:  # h = act(a) * b

@@ -5,6 +5,7 @@ stopped in it.)
 
     segment_mm(x, weight, offsets, transpose, tail)   y[r] = x[r] @ weight[e].T (or weight[e]), r in e's rows
     segment_outer(a, b, offsets)                       [E, M, N]: sum over e's rows of a[r]^T b[r]
+    segment_sum(rows, offsets)                         [E, N]: sum over e's rows of rows[r]
 
 Rows are sorted by expert; expert e owns rows [offsets[e-1], offsets[e]) (offsets int32 [E], on the device:
 no host sync). With `tail`, rows past offsets[-1] (pairs a capacity dropped, kept for static shapes) give 0.
@@ -95,3 +96,10 @@ def segment_outer(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> to
     """[E, M, N]: sum over the rows r of expert e of a[r]^T b[r] (a [S, M], b [S, N]); 0 for an expert without
     rows; rows past offsets[-1] take no part."""
     return _segment_outer(a, b, offsets)
+
+
+def segment_sum(rows: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """[E, N]: the sum of each expert's rows of `rows` [S, N], as a grouped matmul with a column of ones (padded
+    to 16 bytes, what the grouped kernels need)."""
+    ones = rows.new_ones(rows.shape[0], max(1, 16 // rows.element_size()))
+    return segment_outer(rows, ones, offsets)[..., 0]

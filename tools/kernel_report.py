@@ -1,0 +1,152 @@
+"""Registers, spills and shared memory of the fused step's Triton kernels, compiled for a Hopper GPU (sm_90) on
+any machine, no GPU needed:
+
+    python tools/kernel_report.py            # the launches of a ViT-B layer (d = 768, expert width 3072), bf16
+
+Each kernel is compiled as a real launch specializes it: its config from `fused.CONFIGS`, its flags, and the
+divisibility hints Triton adds at a launch (every pointer 16-byte aligned, every integer argument that is a
+multiple of 16 marked so, an integer equal to 1 made a constant). ptxas' own report (`-v`) gives the registers,
+the spill stores and loads, and the stack frame. tests/layers/test_fused_step.py asserts that no kernel spills.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from moespec.layers import fused  # noqa: E402
+
+INDEX_POINTERS = {"order_ptr", "a_order_ptr", "b_order_ptr"}  # int64
+FP32_POINTERS = {"gate_ptr", "dgate_ptr", "dy_ptr"}  # gates and the output gradient under fp32 gates
+ABSENT = {"GATHER": ["order_ptr"], "SCATTER": ["order_ptr"], "HAS_BIAS": ["b_ptr"], "HAS_GATE": ["gate_ptr"],
+          "A_GATHER": ["a_order_ptr"], "B_GATHER": ["b_order_ptr"], "SCALE_A": ["gate_ptr"], "BIAS_GRAD": ["bias_ptr"]}
+
+
+def launches(dim: int = 768, hidden: int = 3072, experts: int = 8, top_k: int = 2, tokens: int = 50432) -> list:
+    """(label, kernel, config name, flags, integer arguments by name) of one forward and backward of a top-k layer
+    with GELU experts and biases: the flags and the integers that `fused` passes."""
+    rows = tokens * top_k
+    common = {"rows": rows, "experts": experts, "top_k": top_k}
+    return [
+        ("fc1", fused._fc1_kernel, "fc1", {"GATHER": True, "HAS_BIAS": True, "SAVE_PRE": True, "ACT": 0, "GLU": 0},
+         {**common, "in_features": dim, "hidden": hidden, "stride_x": dim, "stride_we": hidden * dim,
+          "stride_wn": dim, "stride_be": hidden, "stride_pre": hidden, "stride_h": hidden}),
+        ("fc1 swiglu", fused._fc1_kernel, "fc1", {"GATHER": True, "HAS_BIAS": False, "SAVE_PRE": True, "ACT": 1,
+                                                  "GLU": 1},
+         {**common, "in_features": dim, "hidden": hidden, "stride_x": dim, "stride_we": 2 * hidden * dim,
+          "stride_wn": dim, "stride_be": 0, "stride_pre": 2 * hidden, "stride_h": hidden}),
+        ("fc2", fused._rows_kernel, "fc2", {"SCATTER": True, "HAS_BIAS": True, "HAS_GATE": True},
+         {**common, "in_features": hidden, "out_features": dim, "stride_a": hidden, "stride_we": dim * hidden,
+          "stride_wn": hidden, "stride_wk": 1, "stride_be": dim, "stride_out": dim}),
+        ("fc2 backward", fused._fc2_backward_kernel, "fc2_backward", {"GATHER": True, "HAS_GATE": True, "ACT": 0,
+                                                                      "GLU": 0},
+         {**common, "out_features": dim, "hidden": hidden, "stride_dy": dim, "stride_we": dim * hidden,
+          "stride_wk": hidden, "stride_pre": hidden, "stride_dpre": hidden, "stride_dgate": hidden // 128}),
+        ("fc2 backward swiglu", fused._fc2_backward_kernel, "fc2_backward", {"GATHER": True, "HAS_GATE": True,
+                                                                             "ACT": 1, "GLU": 1},
+         {**common, "out_features": dim, "hidden": hidden, "stride_dy": dim, "stride_we": dim * hidden,
+          "stride_wk": hidden, "stride_pre": 2 * hidden, "stride_dpre": 2 * hidden, "stride_dgate": hidden // 128}),
+        ("fc1 backward", fused._rows_kernel, "fc1_backward", {"SCATTER": True, "HAS_BIAS": False, "HAS_GATE": False},
+         {**common, "in_features": hidden, "out_features": dim, "stride_a": hidden, "stride_we": hidden * dim,
+          "stride_wn": 1, "stride_wk": dim, "stride_be": 0, "stride_out": dim}),
+        ("fc1, flags off", fused._fc1_kernel, "fc1", {"GATHER": False, "HAS_BIAS": False, "SAVE_PRE": False,
+                                                      "ACT": 1, "GLU": 0},
+         {**common, "top_k": 1, "in_features": dim, "hidden": hidden, "stride_x": dim, "stride_we": hidden * dim,
+          "stride_wn": dim, "stride_be": 0, "stride_pre": hidden, "stride_h": hidden}),
+        ("fc2, flags off", fused._rows_kernel, "fc2", {"SCATTER": False, "HAS_BIAS": False, "HAS_GATE": False},
+         {**common, "in_features": hidden, "out_features": dim, "stride_a": hidden, "stride_we": dim * hidden,
+          "stride_wn": hidden, "stride_wk": 1, "stride_be": 0, "stride_out": dim}),
+        ("fc2 backward, flags off", fused._fc2_backward_kernel, "fc2_backward",
+         {"GATHER": False, "HAS_GATE": False, "ACT": 1, "GLU": 2},
+         {**common, "top_k": 1, "out_features": dim, "hidden": hidden, "stride_dy": dim, "stride_we": dim * hidden,
+          "stride_wk": hidden, "stride_pre": 2 * hidden, "stride_dpre": 2 * hidden, "stride_dgate": 0}),
+        ("outer, flags off", fused._outer_kernel, "outer",
+         {"A_GATHER": False, "B_GATHER": False, "SCALE_A": False, "BIAS_GRAD": False},
+         {"a_div": 1, "b_div": 1, "m_size": dim, "n_size": hidden, "stride_a": dim, "stride_b": hidden,
+          "stride_oe": dim * hidden, "stride_om": hidden, "stride_bias": 0}),
+        ("outer (fp32 weight gradients)", fused._outer_kernel, "outer",
+         {"A_GATHER": True, "B_GATHER": False, "SCALE_A": True, "BIAS_GRAD": True},
+         {"a_div": top_k, "b_div": 1, "m_size": dim, "n_size": hidden, "stride_a": dim, "stride_b": hidden,
+          "stride_oe": dim * hidden, "stride_om": hidden, "stride_bias": dim}),
+    ]
+
+
+def compile_for_hopper(kernel, config_name: str, flags: dict, integers: dict, dtype: torch.dtype = torch.bfloat16):
+    """The kernel compiled for sm_90 as a launch with these flags and integers specializes it."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    config = fused._config(config_name, dtype)
+    options = {k: config.pop(k) for k in ("num_warps", "num_stages") if k in config}
+    if kernel is fused._outer_kernel:
+        config.pop("GROUP_M", None)
+    element = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
+    absent = {name for flag, on in flags.items() if not on for name in ABSENT.get(flag, [])}
+    constants = {**flags, **config, "PRECISION": "ieee"}
+    signature, attrs = {}, {}
+    for index, name in enumerate(inspect.signature(kernel.fn).parameters):
+        if name in constants:
+            signature[name] = "constexpr"
+        elif name in absent:  # `fused._launch` passes an absent pointer as the int 0
+            signature[name] = "i32"
+        elif name.endswith("_ptr"):
+            signature[name] = ("*i32" if name == "offsets_ptr" else "*i64" if name in INDEX_POINTERS
+                               else "*fp32" if name in FP32_POINTERS else f"*{element}")
+            attrs[(index,)] = [["tt.divisibility", 16]]
+        else:
+            value = integers.get(name, 16 * 1000)  # row_blocks and the like: a multiple of 16 or not, as it falls
+            if value == 1:
+                signature[name] = "constexpr"
+                constants[name] = 1
+            else:
+                signature[name] = "i32"
+                if value % 16 == 0:
+                    attrs[(index,)] = [["tt.divisibility", 16]]
+    source = triton.compiler.ASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=attrs)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def ptxas_report(compiled) -> dict[str, int]:
+    """registers, spill_stores, spill_loads (bytes), stack (bytes) and shared (bytes) of a compiled kernel, from
+    ptxas -v on its PTX (Triton's own ptxas)."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    with tempfile.TemporaryDirectory() as folder:
+        ptx = os.path.join(folder, "kernel.ptx")
+        with open(ptx, "w") as f:
+            f.write(compiled.asm["ptx"])
+        run = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name=sm_90a", ptx, "-o", os.path.join(folder, "k.o")],
+                             capture_output=True, text=True, check=True)
+    text = run.stdout + run.stderr
+
+    def number(pattern: str) -> int:
+        found = re.search(pattern, text)
+        return int(found.group(1)) if found else 0
+
+    return {"registers": number(r"Used (\d+) registers"), "spill_stores": number(r"(\d+) bytes spill stores"),
+            "spill_loads": number(r"(\d+) bytes spill loads"), "stack": number(r"(\d+) bytes stack frame"),
+            "shared": compiled.metadata.shared}
+
+
+def main() -> None:
+    print(f"{'kernel':32s} {'config':44s} {'regs':>5s} {'spill st/ld B':>14s} {'stack B':>8s} {'smem KB':>8s}")
+    for label, kernel, config_name, flags, integers in launches():
+        report = ptxas_report(compile_for_hopper(kernel, config_name, flags, integers))
+        config = fused._config(config_name, torch.bfloat16)
+        shape = (f"{config['BLOCK_M']}x{config['BLOCK_N']}x{config['BLOCK_K']} w{config['num_warps']} "
+                 f"s{config['num_stages']} g{config.get('GROUP_M', 1)}")
+        print(f"{label:32s} {shape:44s} {report['registers']:5d} "
+              f"{report['spill_stores']:6d}/{report['spill_loads']:<7d} {report['stack']:8d} "
+              f"{report['shared'] / 1024:8.1f}")
+
+
+if __name__ == "__main__":
+    main()
