@@ -1,6 +1,6 @@
 """A bank of E experts with one FFN family's structure, weights stacked on a leading expert axis.
 
-    fc1 -> [norm] -> act -> [norm | grn] -> dropout -> fc2 -> dropout        (plain FFN)
+    fc1 -> [norm] -> act -> dropout -> [norm | grn] -> fc2 -> dropout        (plain FFN, timm's order)
     fc1 -> split (a, b) -> act(a) * b  or  a * act(b) -> [norm] -> ... -> fc2  (gated, GLU / SwiGLU)
 
 Weights are stacked (`fc1.weight: [E, H, C]`) and only ever used through batched ops (`ExpertLinear`,
@@ -453,11 +453,11 @@ class Experts(nn.Module):
             h = self.act(_layer_norm(h, norm_w, norm_b, self.norm.eps))
         else:
             h = self.act(h)
+        h = F.dropout(h, self.drop[0], self.training)  # before the inner norm, as timm's FFNs drop (drop1, norm)
         if self.inner_norm == "layernorm":
             h = _layer_norm(h, norm_w, norm_b, self.norm.eps)
         elif self.inner_norm == "grn":
             h = _global_response_norm(h, norm_w, norm_b, self.norm.eps, groups)
-        h = F.dropout(h, self.drop[0], self.training)
         out = linear(h, w2, b2) if self.clamp is None else _clamped_linear(linear, h, w2, b2, self.clamp[2])
         return F.dropout(out, self.drop[1], self.training)
 

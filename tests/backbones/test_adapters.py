@@ -83,3 +83,39 @@ def test_an_unsupported_inner_norm_is_a_clear_error():
     dense = Mlp(IN, HIDDEN, OUT, norm_layer=nn.BatchNorm1d)
     with pytest.raises(MoespecError, match="inner norm of type BatchNorm1d, which moespec experts do not support"):
         find_adapter(dense).build_experts(dense, 2, HIDDEN)
+
+
+def _with_dropout() -> dict[str, nn.Module]:
+    """Each FFN class that has dropout, with its inner norm where it has one (timm: fc1, act, drop1, norm, fc2,
+    drop2)."""
+    return {
+        "Mlp+norm": Mlp(IN, HIDDEN, OUT, norm_layer=nn.LayerNorm, drop=0.5),
+        "GluMlp+norm": GluMlp(IN, 2 * HIDDEN, OUT, act_layer=nn.SiLU, norm_layer=nn.LayerNorm, drop=0.5),
+        "SwiGLU+norm": SwiGLU(IN, HIDDEN, OUT, norm_layer=nn.LayerNorm, drop=0.5),
+        "GlobalResponseNormMlp": GlobalResponseNormMlp(IN, HIDDEN, OUT, use_conv=False, drop=0.5),
+    }
+
+
+@pytest.mark.parametrize("name", list(_with_dropout()))
+def test_in_training_one_expert_is_the_dense_ffn_with_its_dropout(name):
+    """Issue 45 point 1: under the same seed, a one-expert bank in train mode draws the dense FFN's dropout masks
+    at the same places (before the inner norm), so its output and gradients are the dense FFN's."""
+    dense = randomize(_with_dropout()[name]).train()
+    bank = _one_expert_like(dense, torch.arange(HIDDEN)).train()
+    x = torch.randn(2, 3, 4, IN)
+    upstream = torch.randn(2 * 3 * 4, OUT)
+    results = []
+    for module, run in ((dense, lambda t: dense(t).reshape(-1, OUT)),
+                        (bank, lambda t: bank(t.reshape(-1, IN), torch.tensor([24]),
+                                              torch.arange(2).repeat_interleave(12)))):
+        xg = x.clone().requires_grad_()
+        torch.manual_seed(7)
+        y = run(xg)
+        (y * upstream).sum().backward()
+        fc2 = module.fc2.weight.grad.reshape(OUT, HIDDEN)
+        results.append((y.detach(), xg.grad, fc2))
+    (y_dense, gx_dense, fc2_dense), (y_bank, gx_bank, fc2_bank) = results
+    assert (y_dense == 0).any()  # the dropout on the output dropped something: the masks are compared
+    torch.testing.assert_close(y_bank, y_dense, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(gx_bank, gx_dense, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(fc2_bank, fc2_dense, atol=1e-5, rtol=1e-4)
