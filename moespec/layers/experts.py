@@ -15,8 +15,9 @@ autograd records the forward:
     loop        each expert's whole FFN on its contiguous segment in turn, its hidden activations in cache
                 (under autograd, a small graph per segment); the only step for GRN experts
     triton      forced only (never "auto": slower than grouped_mm in training on an H200, docs/gpu.md): Triton
-                kernels that gather the rows in fc1's loads and put the bias, activation and gate in the epilogues, no host sync (`fused.py`);
-                with `combine`'s `position`, the gather and the combine are fused too. Plain or GLU experts with
+                kernels that gather the rows in fc1's loads and put the bias, activation and gate in the
+                epilogues, no host sync (`fused.py`); with `combine`'s `position`, the gather and the combine
+                are fused too. Plain or GLU experts with
                 GELU or SiLU, no inner norm, no dropout while training; on a GPU, or on CPU under
                 TRITON_INTERPRET=1. Where it cannot run, forcing it raises, saying why, rather than run another
                 step. (As for every forced step, Soft MoE's equal segments take their two `bmm` on the sync-free
