@@ -61,10 +61,11 @@ class UpcycleReport:
     compared_on: str = ""  # the inputs of the logit comparisons
 
     def start_lines(self) -> list[str]:
-        """What the upcycle started from, in words: the sources, then per layer each expert's source and the
-        router's start, then how far the MoE logits are from each source's dense model."""
-        lines = [f"source {i}: {name}" for i, name in enumerate(self.sources)]
-        if len(self.sources) > 1:
+        """What the upcycle started from, in words: the sources (where there are several), then per layer each
+        expert's source and the router's start, then how far the MoE logits are from each source's dense model."""
+        lines = []
+        if len(self.sources) > 1:  # one source is the `source` line
+            lines += [f"source {i}: {name}" for i, name in enumerate(self.sources)]
             lines.append(f"outside the experts: {self.base}")
         drop = f"; drop {self.drop:g} of each expert's hidden units re-initialized" if self.drop else ""
         for start in self.starts:
