@@ -100,7 +100,7 @@ def upcycle_to_checkpoint(spec: Spec, output: str | Path, *, checkpoint: Checkpo
     else:
         report = UpcycleReport(sources.names[0] if sources.count == 1 else sources.base_label(), layers.max_diff,
                                layers.max_output, scope="layers")
-    return files, dataclasses.replace(report, caveats=caveats(plan), **fields)
+    return files, dataclasses.replace(report, caveats=caveats(plan) + start.caveats(spec, plan), **fields)
 
 
 class _LayerStream:

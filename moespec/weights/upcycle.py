@@ -152,8 +152,8 @@ def upcycle_with_report(spec: Spec, checkpoint: Checkpoints = None, *,
     report = compare(sources.base, model, plan.input_size, sources.names[0] if sources.count == 1 else
                      sources.base_label(), generator, inputs=x)
     errors = source_errors(model, spec, sources, x, seed=seed, trust_pickle=trust_pickle)
-    return model.train(), dataclasses.replace(report, caveats=caveats(plan), **start.report_fields(
-        spec, sources, errors, compared_on(sets, x)))
+    fields = start.report_fields(spec, sources, errors, compared_on(sets, x))
+    return model.train(), dataclasses.replace(report, caveats=caveats(plan) + start.caveats(spec, plan), **fields)
 
 
 @dataclass(frozen=True)
@@ -163,6 +163,19 @@ class RouterStart:
     experts_from: dict[str, tuple[int, ...]]  # MoE layer path -> each routed expert's source
     rows: dict[str, torch.Tensor]  # MoE layer path -> [E, C] rows from data (router_init: hidden | kmeans)
     router: str  # how the routers start, in words
+
+    def caveats(self, spec: Spec, plan: Plan) -> tuple[str, ...]:
+        """Why the start is not the dense function beyond what `caveats(plan)` says: experts of several sources,
+        Drop-Upcycling's redrawn units."""
+        found: dict[str, None] = {}
+        for path, experts in self.experts_from.items():
+            group = f"moe.{plan.layer(path).group}"
+            if len(set(experts)) > 1:
+                found[f"{group}: its experts come from {len(set(experts))} sources, whose FFNs differ"] = None
+            if spec.upcycle.drop:
+                found[f"{group}: drop: {spec.upcycle.drop:g} re-initializes that share of each expert's hidden "
+                      f"units"] = None
+        return tuple(found)
 
     def report_fields(self, spec: Spec, sources: Sources, errors: tuple[float, ...], on: str) -> dict:
         """The report's account of the start (`UpcycleReport.start_lines`)."""
