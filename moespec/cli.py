@@ -208,34 +208,45 @@ def progress(description: str):
 def upcycle_command(
     spec: Annotated[Path, typer.Argument(help="Spec file.")],
     output: OutputFile,
-    checkpoint: Annotated[Optional[Path], typer.Option(
-        "--checkpoint", "-c", help="Dense checkpoint (.safetensors/.pth/.bin); default: the spec's backbone.")] = None,
+    sources: Annotated[Optional[List[Path]], typer.Argument(
+        help="Dense checkpoints (.safetensors/.pth/.bin) of the spec's backbone; several: expert i takes its FFN "
+             "from source upcycle.experts_from[i], by default i mod their number. Default: the spec's backbone.",
+        show_default=False)] = None,
+    checkpoint: Annotated[Optional[List[Path]], typer.Option(
+        "--checkpoint", "-c", help="A dense checkpoint, as the SOURCES arguments (repeat for several).")] = None,
+    images: Annotated[Optional[List[Path]], typer.Option(
+        "--images", metavar="DIR", help="A folder of images for upcycle.router_init: hidden (once per source, in "
+        "their order) or kmeans (once or more); the logit checks run on them too.")] = None,
     dtype: Annotated[DType, typer.Option("--dtype", help="Precision of the written weights.")] = DType.fp32,
     max_shard_size: MaxShardSize = "2GB",
     force: Overwrite = False,
     check: Annotated[bool, typer.Option("--check/--no-check", help="Compare the result with the dense model.")] = True,
-    seed: Annotated[int, typer.Option(help="Seed for router init and expert noise.")] = 0,
+    seed: Annotated[int, typer.Option(help="Seed for router init, expert noise and drops, and k-means.")] = 0,
     trust_pickle: Annotated[bool, typer.Option(
         "--trust-pickle", help="Unpickle a .pth/.bin checkpoint that is not plain tensors (runs its code).")] = False,
 ) -> None:
-    """Build the MoE model with experts copied from a dense checkpoint and save it, one layer at a time."""
+    """Build the MoE model with experts copied from dense checkpoints and save it, one layer at a time."""
 
     def body() -> None:
         from .io import DTYPE_NAMES, check_checkpoint_output, parse_size
         from .weights import check_seed, upcycle_to_checkpoint
 
+        if sources and checkpoint:
+            raise MoespecError("give the dense checkpoints as arguments or with --checkpoint, not both")
+        given = list(sources or checkpoint or [])
         limit = parse_size(max_shard_size, "--max-shard-size")
         check_seed(seed, "--seed")
         check_checkpoint_output(output, force)
         loaded = load_spec(spec)
-        with progress("upcycling MoE layers") as advance:
-            files, report = upcycle_to_checkpoint(loaded, output, checkpoint=checkpoint, seed=seed,
-                                                  dtype=DTYPE_NAMES[dtype.value],
+        with progress("reading images") as read, progress("upcycling MoE layers") as advance:
+            files, report = upcycle_to_checkpoint(loaded, output, checkpoint=given or None, images=images or None,
+                                                  seed=seed, dtype=DTYPE_NAMES[dtype.value],
                                                   max_shard_size=limit, force=force, check=check,
-                                                  trust_pickle=trust_pickle, on_layer=advance)
+                                                  trust_pickle=trust_pickle, on_layer=advance, on_batch=read)
         if report is not None:
             out.print(f"dense weights: {report.source}", markup=False)
             out.print(str(report), markup=False)
+            out.print("\n".join(report.start_lines()), markup=False)
         shards = f" ({len(files) - 1} shards and an index)" if len(files) > 1 else ""
         out.print(f"wrote {files[0]}{shards}", markup=False)
 

@@ -26,17 +26,16 @@ count `k` experts per token; an image's tokens together reach more.
 from __future__ import annotations
 
 import math
-import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
-from PIL import Image, UnidentifiedImageError
-from timm.data import create_transform, resolve_data_config
 from torch import nn
 
+from ..backbones.images import IMAGE_SUFFIXES, read_images
+from ..backbones.images import data_transform as image_transform
 from ..compiler import create_model, moe_layers, plan_of
 from ..distributed import expert_group
 from ..errors import MoespecError
@@ -45,8 +44,6 @@ from ..planning.forward_cost import refuse_costly_forward
 from ..spec import RouterSpec, load_spec
 from ..spec.loading import SPEC_SUFFIXES
 from ..weights import load
-
-IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm", ".pgm")
 
 
 @dataclass(frozen=True)
@@ -100,25 +97,11 @@ def load_model(source: str | Path, *, seed: int = 0, spec: str | Path | None = N
 
 
 def data_transform(model: nn.Module, plan: Plan | None = None):
-    """timm's eval transform for `model` (its pretrained_cfg: resize, crop, mean, std) at the input size of its
-    plan (`plan_of(model)` unless given); returns (data config, transform).
-
-    Images are read as timm's data pipeline reads them: RGB for a 3-channel model, grayscale ("L") for a
-    1-channel one (`in_chans: 1`), normalized by the mean of the pretrained_cfg's per-channel mean and std.
-    Other channel counts have no image mode to read into and are refused."""
+    """timm's eval transform for `model` at the input size of its plan (`plan_of(model)` unless given); returns
+    (data config, transform). See `backbones.images.data_transform`."""
     plan = plan or plan_of(model)
-    input_size = tuple(plan.input_size)
-    args: dict[str, Any] = {"input_size": input_size}
-    if input_size[0] == 1:
-        base = resolve_data_config(args, model=model)
-        args.update(mean=(sum(base["mean"]) / len(base["mean"]),), std=(sum(base["std"]) / len(base["std"]),))
-    elif input_size[0] != 3:
-        source = getattr(getattr(model, "moespec_spec", None), "source", None) or plan.name
-        raise MoespecError(f"{source}: the model takes {input_size[0]}-channel images (input_size "
-                           f"{list(input_size)}); inspect reads image files as RGB (3 channels) or grayscale "
-                           f"(1 channel), as timm's data pipeline does")
-    config = resolve_data_config(args, model=model)
-    return config, create_transform(**config)
+    source = getattr(getattr(model, "moespec_spec", None), "source", None) or plan.name
+    return image_transform(model, tuple(plan.input_size), source)
 
 
 @dataclass(frozen=True)
@@ -288,19 +271,5 @@ def _sum_over_ranks(tallies, images_per_class: list[int], skipped: list[str], gr
 
 def _read(batch, transform, channels: int, skipped: list[str]) -> tuple[list[torch.Tensor], list[int]]:
     """Load and transform the readable images of a batch; note the others in `skipped`."""
-    tensors, labels = [], []
-    for path, label in batch:
-        try:
-            with warnings.catch_warnings():  # over Pillow's MAX_IMAGE_PIXELS: a warning, twice over it an error
-                warnings.simplefilter("error", Image.DecompressionBombWarning)
-                with Image.open(path) as image:
-                    tensors.append(transform(image.convert("RGB" if channels == 3 else "L")))
-        except (Image.DecompressionBombError, Image.DecompressionBombWarning) as error:
-            raise MoespecError(f"{path}: {str(error).rstrip('.')}; refusing to decode it (inspect resizes every "
-                               f"image to the model's input size: shrink this one or take it out of the folder)"
-                               ) from None
-        except (UnidentifiedImageError, OSError, ValueError) as error:
-            skipped.append(f"{path}: {str(error).splitlines()[0] if str(error) else type(error).__name__}")
-            continue
-        labels.append(label)
-    return tensors, labels
+    read = read_images([path for path, _ in batch], transform, channels, skipped, purpose="inspect")
+    return [tensor for _, tensor in read], [batch[i][1] for i, _ in read]

@@ -106,6 +106,10 @@ def upcycle(spec: Spec, checkpoint: str | Path | None = None, *, seed: int = 0,
     generator seeded by `seed` on every rank, which draws the noise of the other ranks' experts too (and
     discards it): a global init, never a per-rank seed."""
     require_process_group("moespec.distributed.upcycle")
+    if spec.upcycle.router_init in ("hidden", "kmeans"):
+        raise MoespecError(f"{spec.source or spec.name}: upcycle.router_init: {spec.upcycle.router_init} reads images, "
+                           f"which moespec.distributed.upcycle does not; upcycle with one process (`moespec upcycle "
+                           f"--images DIR`) and load the file with moespec.distributed.load")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)  # a dense model without weights gets the same fresh init as one process's
         dense, _ = dense_model(spec, checkpoint, trust_pickle=trust_pickle)
@@ -126,5 +130,5 @@ def upcycle(spec: Spec, checkpoint: str | Path | None = None, *, seed: int = 0,
     for path, ffn_state in ffns.items():
         layer = materialize(layers[path])
         with torch.no_grad():
-            upcycle_layer(layer, plan.layer(path), ffn_state, spec, generator)
+            upcycle_layer(layer, plan.layer(path), [ffn_state], spec, generator)
     return model.train()

@@ -59,6 +59,20 @@ class Router(nn.Module):
         """Expert rows per `items` (one image's) with every expert at its full capacity; None when dropless."""
         return None
 
+    def gate_input(self, x: torch.Tensor, images: int = 1) -> torch.Tensor:
+        """The vectors the gate scores for items x [T, C] of `images` images: the items themselves, unless a
+        router reads one vector per image."""
+        return x
+
+    def point_at(self, vectors: torch.Tensor) -> None:
+        """Start the gate with expert i's row along `vectors[i]` ([E, C], in the space of `gate_input`), scaled
+        as the gate expects (`upcycle.router_init: hidden | kmeans`). Routers without a row per expert refuse."""
+        raise NotImplementedError(f"{type(self).__name__} has no gate row per expert to start from data")
+
+    def row_metric(self) -> str:
+        """How the gate compares an item with a row: "dot" (linear), "cosine" or "l2" (k-means clusters alike)."""
+        raise NotImplementedError(f"{type(self).__name__} has no gate row per expert")
+
 
 class MoELayer(nn.Module):
     """What replaces a dense FFN call site. Subclasses build `experts` (the routed `Experts` bank), `shared`
@@ -107,6 +121,16 @@ class MoELayer(nn.Module):
         """Items per expert, the share of items no expert took and the mean top-1 gate of the last forward
         (None before the first)."""
         raise NotImplementedError
+
+    def gate_input(self, x: torch.Tensor) -> torch.Tensor:
+        """The vectors [U, C] the router scores for the layer's input `x` already through `pre` (upcycling
+        records them to start the router from data; `Router.gate_input`)."""
+        raise NotImplementedError(f"{type(self).__name__} has no gate row per expert to start from data")
+
+    @property
+    def gate_router(self) -> Router:
+        """The router whose rows `upcycle.router_init: hidden | kmeans` starts (`Router.point_at`)."""
+        raise NotImplementedError(f"{type(self).__name__} has no gate row per expert to start from data")
 
     def weighted_aux_loss(self) -> torch.Tensor | None:
         """Sum of weight * aux loss of the last forward (None without one)."""

@@ -135,6 +135,14 @@ class MoE(MoELayer):
         (`Router.router_weights`)."""
         return self.router.router_weights()
 
+    def gate_input(self, x: torch.Tensor) -> torch.Tensor:
+        channels_last = x if self.channels_dim in (-1, x.dim() - 1) else x.movedim(self.channels_dim, -1)
+        return self.router.gate_input(channels_last.reshape(-1, channels_last.shape[-1]), x.shape[0])
+
+    @property
+    def gate_router(self) -> Router:
+        return self.router
+
     def routing_stats(self) -> dict[str, object] | None:
         """Routing of the last forward: items per expert, share of items no expert took, mean top-1 gate. Under
         expert parallelism they count every rank's batch (a collective: call it on every rank)."""

@@ -43,9 +43,19 @@ class LinearGate(nn.Module):
     def reset_parameters(self) -> None:
         nn.init.normal_(self.weight, std=0.02)
 
+    metric = "dot"  # what a row is compared with an item by: `point_at` and k-means follow it
+
     def router_weights(self) -> list[nn.Parameter]:
         """The weights upcycling draws afresh: all of them."""
         return [self.weight]
+
+    def point_at(self, vectors: torch.Tensor) -> None:
+        """Row i along `vectors[i]` ([E, C]), at the norm a N(0, 0.02^2) row has (0.02 sqrt(C)): the logits
+        start at the scale of a fresh gate, and an item's largest logit is the row it points most along.
+        mergekit's `hidden` gates are the unit directions; the scale is the init's, so the gate's softmax is
+        no sharper than at a random start."""
+        directions = F.normalize(vectors.to(self.weight.dtype), dim=-1)
+        self.weight.copy_(directions * 0.02 * math.sqrt(self.weight.shape[1]))
 
     def macs_per_item(self) -> int:
         return self.weight.numel()
@@ -84,6 +94,11 @@ class ProjectedGate(nn.Module):
         """The projection and the expert codes, which upcycling draws afresh; a learnable temperature keeps its
         initial value."""
         return [self.proj.weight, self.weight]
+
+    def point_at(self, vectors: torch.Tensor) -> None:
+        """Code i at the projection of `vectors[i]` ([E, C]): the item whose projection is nearest (l2) or most
+        aligned (cosine) to it is routed to expert i. The projection keeps its random start."""
+        self.weight.copy_(self.proj(vectors.to(self.weight.dtype)))
 
     def macs_per_item(self) -> int:
         return self.proj.weight.numel() + self.weight.numel()
@@ -180,6 +195,12 @@ class ChoiceRouter(Router):
 
     def router_weights(self) -> list[nn.Parameter]:
         return self.gate.router_weights()
+
+    def point_at(self, vectors: torch.Tensor) -> None:
+        self.gate.point_at(vectors)
+
+    def row_metric(self) -> str:
+        return self.gate.metric
 
     def experts_per_item(self, items: int, images: int) -> int:
         return self.active_top_k()
@@ -334,9 +355,14 @@ class ImageRouter(ChoiceRouter):
     def gate_macs(self, items: int, images: int) -> int:
         return images * self.gate.macs_per_item()  # one decision per image
 
+    def gate_input(self, x: torch.Tensor, images: int = 1) -> torch.Tensor:
+        """One vector per image: its [CLS] (first) token or its mean token, [images, C]."""
+        per_image = x.reshape(images, items_per_image(x.shape[0], images), x.shape[-1])
+        return per_image[:, 0] if self.pool == "cls" else per_image.mean(dim=1)
+
     def route(self, x: torch.Tensor, images: int = 1) -> Routing:
         per_image = x.reshape(images, items_per_image(x.shape[0], images), x.shape[-1])
-        vectors = per_image[:, 0] if self.pool == "cls" else per_image.mean(dim=1)
+        vectors = self.gate_input(x, images)
         logits = at_least_fp32(self.gate(vectors))
         probs, weights, experts = self.choose(logits)  # one choice per image: the bias's loads are images
         tokens = per_image.shape[1]
@@ -363,6 +389,12 @@ class ExpertChoiceRouter(Router):
 
     def router_weights(self) -> list[nn.Parameter]:
         return self.gate.router_weights()
+
+    def point_at(self, vectors: torch.Tensor) -> None:
+        self.gate.point_at(vectors)
+
+    def row_metric(self) -> str:
+        return self.gate.metric
 
     def capacity(self, items: int) -> int:
         if isinstance(items, torch.Tensor):  # a TorchScript trace (fvcore's) gives sizes as 0-d tensors

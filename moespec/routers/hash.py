@@ -33,6 +33,7 @@ class HashRouterSpec(RouterSpec):
     """Seed of the position -> expert permutation."""
 
     title: ClassVar[str] = "hash"
+    rows_per_expert: ClassVar[bool] = False  # no weights: routes by position
     load_balanced: ClassVar[bool] = False  # balanced by construction
     inspection: ClassVar = TOKENS
 

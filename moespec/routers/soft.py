@@ -51,6 +51,7 @@ class SoftRouterSpec(RouterSpec):
         return data
 
     title: ClassVar[str] = "Soft MoE"
+    rows_per_expert: ClassVar[bool] = False  # slots, not one gate row per expert
     load_balanced: ClassVar[bool] = False
     inspection: ClassVar = Inspection(unit="token", share_label="share of the class's token outputs\n(combine weight "
                                       "mass)", tally=combine_mass)

@@ -224,16 +224,41 @@ def _moved_keys_schema(schema: dict) -> None:
                                      f"wrote it here; `moespec validate --fix` moves it)."}
 
 
-class Upcycle(SpecModel):
-    """How experts and routers start when a dense model is upcycled (Komatsuzaki et al. 2023)."""
+MAX_SOURCES = 1_024
+"""Dense checkpoints one upcycle may take experts from: 16 x the experts of the largest published layer built from
+fine-tuned models (mergekit-moe's clown cars have up to 64 sources)."""
 
-    router_init: Literal["normal", "zeros"] = "normal"
-    """`normal`: N(0, 0.02^2); `zeros`: all gates equal at the start."""
+
+class Upcycle(SpecModel):
+    """How experts and routers start when dense models are upcycled: sparse upcycling (Komatsuzaki et al. 2023),
+    experts from several checkpoints (mergekit-moe), routers started from data (mergekit's `gate_mode: hidden`,
+    cluster-aware upcycling) and Drop-Upcycling (Nakamura et al. 2025)."""
+
+    router_init: Literal["normal", "zeros", "hidden", "kmeans"] = "normal"
+    """`normal`: N(0, 0.02^2); `zeros`: all gates equal at the start; `hidden`: expert i's row points along the mean
+    router input of its source's images (mergekit's `hidden`; needs images per source); `kmeans`: the rows are
+    k-means centroids of the router inputs of the images given (cluster-aware upcycling)."""
     noise: FloatRange(0.0, MAX_NOISE_STD) = 0.0
     """Std of Gaussian noise added to each expert's copied weights, relative to each tensor's std."""
     split: Literal["slice", "partition"] = "slice"
     """For experts narrower than the dense FFN: `slice` gives every expert the leading hidden units,
     `partition` gives expert i its own block of units."""
+    drop: FloatRange(0.0, 1.0) = 0.0
+    """Drop-Upcycling: the fraction r of each routed expert's hidden units re-initialized (a different random
+    subset per expert) from N(mean, std^2) of the dense weights of those units; 0: plain copies."""
+    experts_from: Optional[list[IntRange(0, MAX_SOURCES - 1)]] = None
+    """The source checkpoint (0 = the first given) of each routed expert, one entry per expert of every MoE
+    layer; default: expert i takes source i mod (number of sources)."""
+    base: Literal["first", "average"] = "first"
+    """Where everything outside the routed experts comes from (attention, norms, head, shared experts): the first
+    source, or the average of all sources."""
+
+    @field_validator("experts_from")
+    @classmethod
+    def _some_experts(cls, sources: list[int] | None) -> list[int] | None:
+        if sources is not None and not sources:
+            raise ValueError("give one source index per routed expert, or leave experts_from out")
+        return sources
 
 
 class RescaleSpec(SpecModel):
@@ -277,6 +302,26 @@ class Spec(SpecModel):
     that the aux loss gets the same: 1/N for gradient accumulation over N micro-batches (timm's train.py
     --grad-accum-steps N). A GradScaler's changing scale is followed with `moespec.follow_grad_scaler`."""
     _source: Optional[str] = PrivateAttr(default=None)
+
+    @field_validator("upcycle")
+    @classmethod
+    def _upcycle_fits_the_layers(cls, upcycle: Upcycle, info: ValidationInfo) -> Upcycle:
+        """`experts_from` has an entry per routed expert of every MoE group; a router started from data has one
+        gate row per expert to start."""
+        groups = info.data.get("moe") or []
+        if upcycle.experts_from is not None:
+            wrong = [f"moe.{i}.experts is {g.experts}" for i, g in enumerate(groups)
+                     if g.experts and g.experts != len(upcycle.experts_from)]
+            if wrong:
+                raise FieldError("experts_from", f"has {len(upcycle.experts_from)} entries, one per routed expert, "
+                                                 f"but {', '.join(wrong)}")
+        if upcycle.router_init in ("hidden", "kmeans"):
+            rowless = [f"moe.{i} ({g.router.title})" for i, g in enumerate(groups)
+                       if g.experts and not g.router.rows_per_expert]
+            if rowless:
+                raise FieldError("router_init", f"{upcycle.router_init} starts one gate row per expert, and "
+                                                f"{', '.join(rowless)} has none; use normal or zeros")
+        return upcycle
 
     @property
     def source(self) -> str | None:

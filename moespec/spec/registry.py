@@ -80,6 +80,7 @@ class RouterSpec(SpecModel):
     kind: str
     title: ClassVar[str] = ""  # how people call it: "top-k", "expert choice", "Soft MoE"
     load_balanced: ClassVar[bool] = True  # has aux losses (default: one importance_load loss)
+    rows_per_expert: ClassVar[bool] = True  # a gate row per expert, which `upcycle.router_init` may start from data
     inspection: ClassVar[Inspection]
 
     def resolve(self, sketch: Any, model: str) -> "RouterSpec":

@@ -121,10 +121,12 @@ def check_state_dict(state: Mapping[str, torch.Tensor | tuple[int, ...]], refere
         raise CheckpointError("\n".join(lines))
 
 
-def fit_to_model(state: dict[str, torch.Tensor], model: nn.Module) -> tuple[dict[str, torch.Tensor], list[str]]:
-    """`state` fitted to `model` as timm fits pretrained weights, and one line per change made: the model
-    module's `checkpoint_filter_fn` (a new `img_size` resamples the position embedding), then the head: a
-    checkpoint head of another shape, or none, leaves the model's freshly initialized head in place."""
+def fit_to_model(state: dict[str, torch.Tensor], model: nn.Module
+                 ) -> tuple[dict[str, torch.Tensor], list[str], frozenset[str]]:
+    """`state` fitted to `model` as timm fits pretrained weights, one line per change made, and the names that
+    keep the model's fresh init: the model module's `checkpoint_filter_fn` (a new `img_size` resamples the
+    position embedding), then the head: a checkpoint head of another shape, or none, leaves the model's freshly
+    initialized head in place."""
     notes = []
     before = {k: tuple(v.shape) for k, v in state.items()}
     filter_fn = getattr(importlib.import_module(type(model).__module__), "checkpoint_filter_fn", None)
@@ -145,8 +147,8 @@ def fit_to_model(state: dict[str, torch.Tensor], model: nn.Module) -> tuple[dict
         state = {k: v for k, v in state.items() if k not in held}
         notes.append(f"head: the checkpoint's ({rows} classes) does not fit {getattr(model, 'num_classes', '?')} "
                      f"classes; dropped, {', '.join(heads)} freshly initialized")
-    state = {**{k: own[k] for k in head_keys if k not in state}, **state}
-    return state, notes
+    fresh = frozenset(k for k in head_keys if k not in state)
+    return {**{k: own[k] for k in fresh}, **state}, notes, fresh
 
 
 def dense_model(spec: Spec, checkpoint: str | Path | None = None, *,
@@ -157,6 +159,15 @@ def dense_model(spec: Spec, checkpoint: str | Path | None = None, *,
     Source, first that applies: `checkpoint`, the spec's `backbone.checkpoint` (relative to the spec file),
     timm's pretrained weights if `backbone.pretrained`, else timm's fresh random init.
     """
+    dense, source, _ = dense_model_and_fresh(spec, checkpoint, trust_pickle=trust_pickle)
+    return dense, source
+
+
+def dense_model_and_fresh(spec: Spec, checkpoint: str | Path | None = None, *,
+                          trust_pickle: bool = False) -> tuple[nn.Module, str, frozenset[str]]:
+    """`dense_model`, and the names of the tensors that keep the model's fresh init because the checkpoint
+    has none that fits (a head for other classes): averaging several sources leaves them out."""
+    fresh: frozenset[str] = frozenset()
     if checkpoint is None and spec.backbone.checkpoint is not None:
         problem = checkpoint_problem(spec)
         if problem is not None:
@@ -168,7 +179,7 @@ def dense_model(spec: Spec, checkpoint: str | Path | None = None, *,
         if _fits_as_is(checkpoint, dense):  # read in place: no second copy of a large file
             read_safetensors_into(checkpoint, dense.state_dict())
         else:
-            state, notes = fit_to_model(read_state_dict(checkpoint, trust_pickle=trust_pickle), dense)
+            state, notes, fresh = fit_to_model(read_state_dict(checkpoint, trust_pickle=trust_pickle), dense)
             check_state_dict(state, dense, f"checkpoint {checkpoint}")
             dense.load_state_dict(state)
         source, origin = "; ".join([str(checkpoint), *notes]), str(checkpoint)
@@ -182,7 +193,7 @@ def dense_model(spec: Spec, checkpoint: str | Path | None = None, *,
         origin = f"{spec.source or spec.name}: backbone: a fresh {spec.backbone.model}"
     buffers = {name for name, _ in dense.named_buffers()}
     refuse_non_finite(dense.state_dict(), origin, buffers)  # every source: timm's pretrained loader checks nothing
-    return dense, source
+    return dense, source, fresh
 
 
 def _fits_as_is(checkpoint: str | Path, model: nn.Module) -> bool:

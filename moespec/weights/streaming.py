@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 from torch import nn
@@ -14,13 +14,26 @@ from ..backbones import device_memory
 from ..compiler import compile_model, materialize, moe_layers
 from ..errors import MoespecError
 from ..io import DEFAULT_MAX_SHARD_SIZE, TensorInfo, write_sharded
-from ..planning import Plan, plan_for
+from ..planning import Plan
 from ..planning.forward_cost import forward_cost_problem
 from ..spec import Spec
 from .checkpoint import load, output_dtype, spec_metadata
-from .dense import dense_model
-from .mapping import dense_to_moe
-from .upcycle import COMPARED_BATCH, UpcycleReport, caveats, check_items, compare, upcycle_layer
+from .router_start import ImageSet
+from .sources import Checkpoints, Sources
+from .upcycle import (
+    COMPARED_BATCH,
+    COMPARED_IMAGES,
+    RouterStart,
+    UpcycleReport,
+    caveats,
+    compare,
+    compared_inputs,
+    compared_on,
+    read_start,
+    source_errors,
+    start_routers,
+    upcycle_layer,
+)
 
 MAX_SEED = 2**63 - 1
 
@@ -32,62 +45,73 @@ def check_seed(seed: int, name: str = "seed") -> int:
     return seed
 
 
-def upcycle_to_checkpoint(spec: Spec, output: str | Path, *, checkpoint: str | Path | None = None, seed: int = 0,
+def upcycle_to_checkpoint(spec: Spec, output: str | Path, *, checkpoint: Checkpoints = None,
+                          images: ImageSet | Sequence[ImageSet] | None = None, seed: int = 0,
                           dtype: torch.dtype | None = None, max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
                           force: bool = False, check: bool = True, trust_pickle: bool = False,
                           on_layer: Callable[[str, int, int], None] | None = None,
+                          on_batch: Callable[[str, int, int], None] | None = None,
                           ) -> tuple[list[Path], UpcycleReport | None]:
     """Upcycle `spec` straight into a (sharded) safetensors checkpoint at `output`, streaming.
 
     The MoE layers are built on the meta device; while the shards are written, each layer is materialized,
-    filled from the dense FFN, written and freed, so peak memory is the dense model plus one MoE layer.
-    Weights equal `upcycle(spec, checkpoint, seed=seed)`'s (cast to `dtype`). The check compares the logits
-    of the written model, loaded back, with the dense model's (dense weights rounded to `dtype` too) when
-    the MoE model takes at most a quarter of this machine's memory and a forward at the spec's input size fits
-    (`planning.forward_cost`), else each MoE layer against its dense FFN as it is built (on a few tokens,
-    whatever the input size). `on_layer(path, done, total)` is called as each MoE layer starts
-    (`done`: the layers written so far), and `on_layer("", total, total)` after the last.
+    filled from the dense FFNs, written and freed, so peak memory is the base dense model, every source's FFNs
+    and one MoE layer. Weights equal `upcycle(spec, checkpoint, images=images, seed=seed)`'s (cast to `dtype`).
+    The check compares the logits of the written model, loaded back, with the base dense model's (dense weights
+    rounded to `dtype` too) and each source's, when the MoE model takes at most a quarter of this machine's
+    memory and a forward at the spec's input size fits (`planning.forward_cost`), else each MoE layer against its
+    base dense FFN as it is built (on a few tokens, whatever the input size). `on_layer(path, done, total)` is
+    called as each MoE layer starts (`done`: the layers written so far), and `on_layer("", total, total)` after
+    the last; `on_batch` likewise for the batches of images that start routers from data.
     Returns the files written (index first) and the check's report (None without `check`).
     """
     check_seed(seed)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)  # fresh inits (dense model without weights, rebuilt blocks) are reproducible
         generator = torch.Generator().manual_seed(seed)
-        dense, source = dense_model(spec, checkpoint, trust_pickle=trust_pickle)
-        plan = plan_for(spec, dense)
-        check_items(spec, plan, dense)
-        _, ffns = dense_to_moe(plan, dense.state_dict())  # keeps the FFN weights once the MoE model replaces them
+        sources, plan, sets = read_start(spec, checkpoint, images, seed=seed, trust_pickle=trust_pickle)
+        dense = sources.base
         model = compile_model(dense, plan, moe_device="meta")  # shares every other module with `dense`
+        start = start_routers(spec, plan, sources, moe_layers(model), sets, seed=seed, on_batch=on_batch)
         state = model.state_dict()
         params = sum(t.numel() for t in state.values())
+        batch = COMPARED_IMAGES if sets else COMPARED_BATCH
         whole = check and params * 4 <= _memory_bytes() / 4 and forward_cost_problem(
-            spec, plan.input_size, batch=COMPARED_BATCH, runner="a check") is None
-        layers = _LayerStream(model, spec, plan, dense, ffns, generator, per_layer_check=check and not whole,
+            spec, plan.input_size, batch=batch, runner="a check") is None
+        layers = _LayerStream(model, spec, plan, sources, start, generator, per_layer_check=check and not whole,
                               on_layer=on_layer)
         infos = [TensorInfo(name, tuple(t.shape), output_dtype(t.dtype, dtype)) for name, t in state.items()]
         files = write_sharded(output, infos, lambda info: layers.tensor(info.name, state).to(info.dtype),
                               spec_metadata(spec), max_shard_size=max_shard_size, force=force)
     if not check:
         return files, None
+    fields = start.report_fields(spec, sources, (), "")
     if whole:
         if dtype is not None:  # compare like with like: the dense weights rounded as the experts were
             dense.to(dtype).float()
-        report = compare(dense, load(output), plan.input_size, source, torch.Generator().manual_seed(seed + 1),
-                         batch=COMPARED_BATCH)
+        written = load(output)
+        x = compared_inputs(sets, plan, dense, spec)
+        x = torch.randn((COMPARED_BATCH, *plan.input_size), generator=torch.Generator().manual_seed(seed + 1)
+                        ) if x is None else x
+        report = compare(dense, written, plan.input_size, sources.names[0] if sources.count == 1 else
+                         sources.base_label(), generator, inputs=x)
+        errors = source_errors(written, spec, sources, x, seed=seed, trust_pickle=trust_pickle)
+        fields = start.report_fields(spec, sources, errors, compared_on(sets, x))
     else:
-        report = UpcycleReport(source, layers.max_diff, layers.max_output, scope="layers")
-    return files, dataclasses.replace(report, caveats=caveats(plan))
+        report = UpcycleReport(sources.names[0] if sources.count == 1 else sources.base_label(), layers.max_diff,
+                               layers.max_output, scope="layers")
+    return files, dataclasses.replace(report, caveats=caveats(plan) + start.caveats(spec, plan), **fields)
 
 
 class _LayerStream:
     """Hands out the tensors of a model whose MoE layers are on the meta device: each layer is materialized
     and upcycled when its first tensor is asked for, and freed after its last."""
 
-    def __init__(self, model: nn.Module, spec: Spec, plan: Plan, dense: nn.Module,
-                 ffns: dict[str, dict[str, torch.Tensor]], generator: torch.Generator, *, per_layer_check: bool,
+    def __init__(self, model: nn.Module, spec: Spec, plan: Plan, sources: Sources, start: RouterStart,
+                 generator: torch.Generator, *, per_layer_check: bool,
                  on_layer: Callable[[str, int, int], None] | None):
         self.layers, self.spec, self.plan = moe_layers(model), spec, plan
-        self.dense, self.ffns = dense, ffns  # `dense_to_moe`'s FFN states: MoE layer path -> its dense FFN
+        self.sources, self.start = sources, start  # the dense FFNs of every source, and where each expert's is
         self.generator, self.per_layer_check, self.on_layer = generator, per_layer_check, on_layer
         self.check_generator = torch.Generator().manual_seed(generator.initial_seed() + 1)
         self.current: tuple[str, dict[str, torch.Tensor]] | None = None
@@ -117,11 +141,13 @@ class _LayerStream:
 
     def _build(self, path: str) -> dict[str, torch.Tensor]:
         layer = materialize(self.layers[path])  # fresh init: what rebuilt (rescaled) blocks keep
-        if path in self.ffns:  # not in a rebuilt block
+        if path in self.start.experts_from:  # not in a rebuilt block
             with torch.no_grad():
-                upcycle_layer(layer, self.plan.layer(path), self.ffns[path], self.spec, self.generator)
+                upcycle_layer(layer, self.plan.layer(path), [ffns[path] for ffns in self.sources.ffns], self.spec,
+                              self.generator, experts_from=self.start.experts_from[path],
+                              base_ffn=self.sources.base_ffns[path], rows=self.start.rows.get(path))
             if self.per_layer_check:
-                self._check(self.dense.get_submodule(path), layer)
+                self._check(self.sources.base.get_submodule(path), layer)
         return layer.state_dict()
 
     @torch.no_grad()

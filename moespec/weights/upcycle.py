@@ -1,8 +1,10 @@
-"""Sparse upcycling (Komatsuzaki et al. 2023): start an MoE model from a dense one, in memory.
+"""Sparse upcycling (Komatsuzaki et al. 2023): start an MoE model from dense ones, in memory.
 
-Every non-FFN weight is copied from the dense state dict; each expert (and shared expert) is a copy of the
-dense FFN, or of a subset of its hidden units when experts are narrower (`split: slice` gives every expert
-the leading units, `split: partition` gives expert i the i-th block); routers start N(0, 0.02^2) or zero.
+Every non-FFN weight is copied from the base dense model; each routed expert is a copy of its source's dense
+FFN (one source, or several: `sources.py`), or of a subset of its hidden units when experts are narrower
+(`split: slice` gives every expert the leading units, `split: partition` gives expert i the i-th block); shared
+experts copy the base's FFN. Drop-Upcycling (`drop: r`) re-initializes a fraction r of each routed expert's
+hidden units. Routers start N(0, 0.02^2), at zero, or from data (`router_start.py`).
 
 Two ways, the same weights for the same seed:
     upcycle / upcycle_with_report   the whole MoE model in memory (to train it right away)
@@ -13,9 +15,9 @@ Two ways, the same weights for the same seed:
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 from torch import nn
@@ -23,11 +25,23 @@ from torch import nn
 from ..backbones import adapter_named
 from ..compiler import create_model, moe_layers
 from ..errors import SpecError
-from ..planning import LayerPlan, Plan, items_problems, plan_for
+from ..layers import MoELayer
+from ..planning import LayerPlan, Plan, items_problems
 from ..planning.forward_cost import refuse_costly_forward
 from ..spec import RouterSpec, Spec, spec_problem
 from .dense import dense_model
 from .mapping import dense_to_moe
+from .router_start import Batches, ImageSet, check_image_sets, describe_start, image_sets, router_rows
+from .sources import Checkpoints, Sources, expert_sources, read_sources
+
+
+@dataclass(frozen=True)
+class LayerStart:
+    """Where one MoE layer's routed experts came from (a source index per expert) and how its router started."""
+
+    path: str
+    experts_from: tuple[int, ...]
+    router: str
 
 
 @dataclass(frozen=True)
@@ -39,6 +53,28 @@ class UpcycleReport:
     max_abs_logit: float
     caveats: tuple[str, ...] = ()  # what in the spec changes the function, from `caveats(plan)`
     scope: str = "model"  # "model": logits of the whole model; "layers": each MoE layer against its dense FFN
+    sources: tuple[str, ...] = ()  # each source checkpoint's description, in order (source 0 first)
+    base: str = ""  # where everything outside the routed experts came from
+    starts: tuple[LayerStart, ...] = ()  # per MoE layer (rebuilt blocks left out): expert sources, router start
+    drop: float = 0.0  # Drop-Upcycling's re-initialized fraction of each routed expert's hidden units
+    source_errors: tuple[float, ...] = ()  # ||MoE logits - source i's dense logits|| / ||source i's||, per source
+    compared_on: str = ""  # the inputs of the logit comparisons
+
+    def start_lines(self) -> list[str]:
+        """What the upcycle started from, in words: the sources (where there are several), then per layer each
+        expert's source and the router's start, then how far the MoE logits are from each source's dense model."""
+        lines = []
+        if len(self.sources) > 1:  # one source is the `source` line
+            lines += [f"source {i}: {name}" for i, name in enumerate(self.sources)]
+            lines.append(f"outside the experts: {self.base}")
+        drop = f"; drop {self.drop:g} of each expert's hidden units re-initialized" if self.drop else ""
+        for start in self.starts:
+            lines.append(f"{start.path}: experts from sources [{' '.join(map(str, start.experts_from))}]; router "
+                         f"{start.router}{drop}")
+        if self.source_errors:
+            errors = ", ".join(f"source {i} {error:.4g}" for i, error in enumerate(self.source_errors))
+            lines.append(f"relative logit error ||MoE - dense|| / ||dense|| on {self.compared_on}: {errors}")
+        return lines
 
     @property
     def function_preserving(self) -> bool:
@@ -84,30 +120,89 @@ def caveats(plan: Plan) -> tuple[str, ...]:
     return tuple(found)
 
 
-def upcycle(spec: Spec, checkpoint: str | Path | None = None, *, seed: int = 0,
-            trust_pickle: bool = False) -> nn.Module:
-    """The MoE model of `spec` with every expert copied from the dense FFN (see `dense_model` for sources)."""
-    model, _ = upcycle_with_report(spec, checkpoint, seed=seed, check=False, trust_pickle=trust_pickle)
+def upcycle(spec: Spec, checkpoint: Checkpoints = None, *, images: ImageSet | Sequence[ImageSet] | None = None,
+            seed: int = 0, trust_pickle: bool = False) -> nn.Module:
+    """The MoE model of `spec` with every expert copied from a dense FFN: from one checkpoint (see `dense_model`
+    for sources), or from several (`[a, b, ...]`: expert i from source `experts_from[i]`, by default i mod n;
+    see `sources.py`). `images` start the routers of `router_init: hidden` (one folder or batch per source) or
+    `kmeans` (one or more); see `router_start.py`."""
+    model, _ = upcycle_with_report(spec, checkpoint, images=images, seed=seed, check=False, trust_pickle=trust_pickle)
     return model
 
 
-def upcycle_with_report(spec: Spec, checkpoint: str | Path | None = None, *, seed: int = 0,
-                        check: bool = True, trust_pickle: bool = False) -> tuple[nn.Module, UpcycleReport | None]:
-    """`upcycle`, plus a comparison of the upcycled model's logits with the dense model's on random input."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)  # a dense model without weights gets a reproducible fresh init
-        dense, source = dense_model(spec, checkpoint, trust_pickle=trust_pickle)
+def upcycle_with_report(spec: Spec, checkpoint: Checkpoints = None, *,
+                        images: ImageSet | Sequence[ImageSet] | None = None, seed: int = 0, check: bool = True,
+                        trust_pickle: bool = False, on_batch: Callable[[str, int, int], None] | None = None,
+                        ) -> tuple[nn.Module, UpcycleReport | None]:
+    """`upcycle`, plus a comparison of the upcycled model's logits with the base dense model's and each
+    source's, on the images given (or random inputs). `on_batch(item, done, total)` follows the image pass."""
+    sources, plan, sets = read_start(spec, checkpoint, images, seed=seed, trust_pickle=trust_pickle)
     generator = torch.Generator().manual_seed(seed)
-    plan = plan_for(spec, dense)  # the plan `create_model` builds: the dense model is the spec's backbone
-    check_items(spec, plan, dense)
     model = create_model(spec)
-    upcycle_into(model, spec, plan, dense.state_dict(), generator)
+    layers = moe_layers(model)
+    start = start_routers(spec, plan, sources, layers, sets, seed=seed, on_batch=on_batch)
+    upcycle_into(model, spec, plan, sources, generator, start)
     if not check:
         return model, None
-    refuse_costly_forward(spec, plan.input_size, "checking the upcycled logits", batch=COMPARED_BATCH,
-                          runner="a check", hint="use a smaller input size, or check=False")
-    report = compare(dense, model, plan.input_size, source, generator)
-    return model.train(), dataclasses.replace(report, caveats=caveats(plan))
+    refuse_costly_forward(spec, plan.input_size, "checking the upcycled logits",
+                          batch=COMPARED_IMAGES if sets else COMPARED_BATCH, runner="a check",
+                          hint="use a smaller input size, or check=False")
+    x = compared_inputs(sets, plan, sources.base, spec)
+    x = torch.randn((COMPARED_BATCH, *plan.input_size), generator=generator) if x is None else x
+    report = compare(sources.base, model, plan.input_size, sources.names[0] if sources.count == 1 else
+                     sources.base_label(), generator, inputs=x)
+    errors = source_errors(model, spec, sources, x, seed=seed, trust_pickle=trust_pickle)
+    fields = start.report_fields(spec, sources, errors, compared_on(sets, x))
+    return model.train(), dataclasses.replace(report, caveats=caveats(plan) + start.caveats(spec, plan), **fields)
+
+
+@dataclass(frozen=True)
+class RouterStart:
+    """Where each layer's experts come from and how its router starts, decided before any layer is filled."""
+
+    experts_from: dict[str, tuple[int, ...]]  # MoE layer path -> each routed expert's source
+    rows: dict[str, torch.Tensor]  # MoE layer path -> [E, C] rows from data (router_init: hidden | kmeans)
+    router: str  # how the routers start, in words
+
+    def caveats(self, spec: Spec, plan: Plan) -> tuple[str, ...]:
+        """Why the start is not the dense function beyond what `caveats(plan)` says: experts of several sources,
+        Drop-Upcycling's redrawn units."""
+        found: dict[str, None] = {}
+        for path, experts in self.experts_from.items():
+            group = f"moe.{plan.layer(path).group}"
+            if len(set(experts)) > 1:
+                found[f"{group}: its experts come from {len(set(experts))} sources, whose FFNs differ"] = None
+            if spec.upcycle.drop:
+                found[f"{group}: drop: {spec.upcycle.drop:g} re-initializes that share of each expert's hidden "
+                      f"units"] = None
+        return tuple(found)
+
+    def report_fields(self, spec: Spec, sources: Sources, errors: tuple[float, ...], on: str) -> dict:
+        """The report's account of the start (`UpcycleReport.start_lines`)."""
+        return {"sources": sources.names, "base": sources.base_label(), "source_errors": errors,
+                "compared_on": on, "drop": spec.upcycle.drop,
+                "starts": tuple(LayerStart(path, experts, self.router) for path, experts in self.experts_from.items())}
+
+
+def read_start(spec: Spec, checkpoint: Checkpoints, images, *, seed: int, trust_pickle: bool
+               ) -> tuple[Sources, Plan, list[ImageSet]]:
+    """The sources read and checked, the plan, and the image sets checked against `router_init`."""
+    sources, plan = read_sources(spec, checkpoint, seed=seed, trust_pickle=trust_pickle)
+    check_items(spec, plan, sources.base)
+    sets = image_sets(images)
+    check_image_sets(spec, sets, sources.count)
+    return sources, plan, sets
+
+
+def start_routers(spec: Spec, plan: Plan, sources: Sources, layers: dict[str, MoELayer], sets: list[ImageSet], *,
+                  seed: int, on_batch: Callable[[str, int, int], None] | None = None) -> RouterStart:
+    """Each layer's expert sources, and its router rows where `router_init` starts them from `sets`."""
+    experts_from = {layer.path: expert_sources(spec, layer, sources.count) for layer in plan.layers
+                    if plan.rebuilt(layer.path) is None}
+    rows, read = {}, []
+    if spec.upcycle.router_init in ("hidden", "kmeans"):
+        rows, read = router_rows(spec, plan, sources.base, layers, sets, experts_from, seed + 2, on_batch)
+    return RouterStart(experts_from, rows, describe_start(spec, read))
 
 
 @torch.no_grad()
@@ -140,24 +235,33 @@ def check_items(spec: Spec, plan: Plan, dense: nn.Module) -> None:
         raise SpecError(problems)
 
 
-def upcycle_into(model: nn.Module, spec: Spec, plan: Plan, dense: dict[str, torch.Tensor],
-                 generator: torch.Generator) -> None:
-    """Copy `dense` into the compiled `model` in place: non-FFN weights as they are, FFNs into experts.
-    Blocks rebuilt at a rescaled shape keep their fresh init: no dense weight has their shape."""
-    plain, ffns = dense_to_moe(plan, dense)
+def upcycle_into(model: nn.Module, spec: Spec, plan: Plan, sources: Sources, generator: torch.Generator,
+                 start: RouterStart) -> None:
+    """Copy the sources into the compiled `model` in place: the base's non-FFN weights as they are, each
+    layer's FFNs into its experts (`upcycle_layer`). Blocks rebuilt at a rescaled shape keep their fresh init:
+    no dense weight has their shape."""
+    plain, _ = dense_to_moe(plan, sources.base.state_dict())
     layers = moe_layers(model)
     with torch.no_grad():
         for name, tensor in model.state_dict(keep_vars=True).items():
             if name in plain:
                 tensor.copy_(plain[name])
-        for path, ffn_state in ffns.items():
-            upcycle_layer(layers[path], plan.layer(path), ffn_state, spec, generator)
+        for path, experts_from in start.experts_from.items():
+            upcycle_layer(layers[path], plan.layer(path), [ffns[path] for ffns in sources.ffns], spec, generator,
+                          experts_from=experts_from, base_ffn=sources.base_ffns[path], rows=start.rows.get(path))
 
 
-def upcycle_layer(moe: nn.Module, layer: LayerPlan, ffn_state: dict[str, torch.Tensor], spec: Spec,
-                   generator: torch.Generator) -> None:
+def upcycle_layer(moe: nn.Module, layer: LayerPlan, ffns: Sequence[dict[str, torch.Tensor]], spec: Spec,
+                  generator: torch.Generator, *, experts_from: Sequence[int] | None = None,
+                  base_ffn: dict[str, torch.Tensor] | None = None, rows: torch.Tensor | None = None) -> None:
+    """Fill one MoE layer: routed expert i from the FFN state `ffns[experts_from[i]]` (default: one source, or
+    i mod the sources), shared experts, `pre` and bank buffers from `base_ffn` (default: `ffns[0]`), then the
+    router: drawn N(0, 0.02^2) (also under `hidden` / `kmeans`, which then point the rows along `rows`, so that
+    the generator advances alike) or zero."""
     options = spec.upcycle
     hidden = layer.expert_hidden
+    base_ffn = ffns[0] if base_ffn is None else base_ffn
+    experts_from = experts_from or [i % len(ffns) for i in range(layer.num_experts)]
     if hidden > layer.dense_hidden:
         width = "expert_hidden" if spec.moe[layer.group].expert_hidden is not None else "expert_mlp_ratio"
         raise SpecError(spec_problem(
@@ -172,51 +276,134 @@ def upcycle_layer(moe: nn.Module, layer: LayerPlan, ffn_state: dict[str, torch.T
     adapter = adapter_named(layer.family)
     leading = torch.arange(hidden)
     units = [leading + (i * hidden if options.split == "partition" else 0) for i in range(layer.num_experts)]
-    _fill(moe.experts, [lambda u=u: adapter.expert_state(ffn_state, u) for u in units], options.noise, generator)
+    routed = [lambda u=u, ffn=ffns[source]: adapter.expert_state(ffn, u)
+              for u, source in zip(units, experts_from, strict=True)]
+    _fill(moe.experts, routed, options.noise, generator, drop=options.drop)
     if moe.shared is not None:
-        shared = [lambda: adapter.expert_state(ffn_state, leading)] * layer.shared_experts
+        shared = [lambda: adapter.expert_state(base_ffn, leading)] * layer.shared_experts
         _fill(moe.shared, shared, options.noise, generator)
     for bank in (moe.experts, moe.shared):
-        for name, tensor in adapter.bank_buffers(ffn_state).items() if bank is not None else ():
+        for name, tensor in adapter.bank_buffers(base_ffn).items() if bank is not None else ():
             bank.get_buffer(name).copy_(tensor)
     if moe.pre is not None:
-        moe.pre.load_state_dict(adapter.pre_state(ffn_state))
+        moe.pre.load_state_dict(adapter.pre_state(base_ffn))
     for weight in moe.router_weights():
         if options.router_init == "zeros":
             weight.zero_()
         else:
             weight.copy_(torch.randn(weight.shape, generator=generator) * 0.02)
+    if rows is not None:
+        moe.gate_router.point_at(rows)
 
 
 def _fill(bank: nn.Module, experts: list[Callable[[], dict[str, torch.Tensor]]], noise: float,
-          generator: torch.Generator) -> None:
+          generator: torch.Generator, drop: float = 0.0) -> None:
     """Copy each expert's tensors (made by `experts[i]()`, one expert at a time: a layer of a giant spec is
-    large) into the bank's [E, ...] parameters, adding N(0, noise^2) to the fc weights. A bank sharded over
-    ranks holds experts [first, first + local_experts): the others are not made, but their noise is drawn, so
-    that the generator gives every rank the noise one process gives its experts."""
+    large) into the bank's [E, ...] parameters, re-initializing a fraction `drop` of its hidden units
+    (`drop_units`) and adding N(0, noise^2) to the fc weights. A bank sharded over ranks holds experts
+    [first, first + local_experts): the others are not kept, but their random draws are made, so that the
+    generator gives every rank the weights one process gives its experts."""
     params = dict(bank.named_parameters())
     first = getattr(bank, "first", 0)
     noisy = [name for name in params if noise > 0 and name.endswith("weight") and name.startswith("fc")]
     for i, make in enumerate(experts):
         local = i - first
         if not 0 <= local < bank.local_experts:
+            if drop > 0:
+                drop_units(make(), drop, generator)  # draws as the owning rank does
             for name in noisy:
                 torch.randn(params[name].shape[1:], generator=generator)
             continue
-        for name, tensor in make().items():
+        state = make()
+        if drop > 0:
+            state = drop_units(state, drop, generator)
+        for name, tensor in state.items():
             params[name][local].copy_(tensor.reshape(params[name].shape[1:]))
         for name in noisy:
             params[name][local].add_(torch.randn(params[name].shape[1:], generator=generator), alpha=noise)
 
 
+def drop_units(state: dict[str, torch.Tensor], fraction: float, generator: torch.Generator
+               ) -> dict[str, torch.Tensor]:
+    """Drop-Upcycling (Nakamura et al. 2025): `state`, one expert's tensors (`Adapter.expert_state` names), with
+    floor(fraction x H) of its H hidden units, drawn at random, re-initialized: their fc1 rows (each half of a
+    gated fc1 on its own), fc1 bias entries and fc2 columns are drawn from N(mean, std^2), the mean and std of
+    the dense values they replace, tensor by tensor, as the paper's conversion script does. Inner-norm entries
+    and fc2's bias are kept. Returns the new state; the chosen units are the first `floor(fraction x H)` of one
+    `randperm(H)` draw."""
+    hidden = state["fc2.weight"].shape[1]
+    chosen = torch.randperm(hidden, generator=generator)[:math.floor(fraction * hidden + 1e-9)]
+    state = dict(state)
+
+    def redraw(name: str, dim: int, halves: int = 1) -> None:
+        tensor = state[name].clone()
+        for half in range(halves):
+            index = chosen + half * hidden
+            old = tensor.index_select(dim, index)
+            std = old.std().item() if old.numel() > 1 else 0.0
+            new = torch.randn(old.shape, generator=generator, dtype=torch.float32) * std + old.mean().item()
+            tensor.index_copy_(dim, index, new.to(tensor.dtype))
+        state[name] = tensor
+
+    if "fc1.weight" in state:
+        halves = state["fc1.weight"].shape[0] // hidden  # 2 for a gated fc1 ([gate; value] rows)
+        redraw("fc1.weight", 0, halves)
+        if "fc1.bias" in state:
+            redraw("fc1.bias", 0, halves)
+    redraw("fc2.weight", 1)
+    return state
+
+
 COMPARED_BATCH = 2  # random inputs the logit check runs through both models
+COMPARED_IMAGES = 16  # given images the logit checks run, at most
+
+
+def compared_inputs(sets: list[ImageSet], plan: Plan, base: nn.Module, spec: Spec) -> torch.Tensor | None:
+    """The first `COMPARED_IMAGES` images of the sets (set after set), or None for random inputs."""
+    taken: list[torch.Tensor] = []
+    for index, images in enumerate(sets):
+        for batch in Batches(images, index, base, spec, plan.input_size):
+            taken.append(batch[:COMPARED_IMAGES - sum(t.shape[0] for t in taken)])
+            if sum(t.shape[0] for t in taken) >= COMPARED_IMAGES:
+                return torch.cat(taken)
+            break  # the first batch of each set
+    return torch.cat(taken) if taken else None
+
+
+def compared_on(sets: list[ImageSet], x: torch.Tensor | None) -> str:
+    if x is None or not sets:
+        return f"{COMPARED_BATCH} random inputs"
+    return f"{x.shape[0]} of the images given"
+
+
+@torch.no_grad()
+def source_errors(model: nn.Module, spec: Spec, sources: Sources, x: torch.Tensor, *, seed: int,
+                  trust_pickle: bool) -> tuple[float, ...]:
+    """||MoE logits - source i's dense logits|| / ||source i's dense logits|| on `x`, per source: how far the
+    start is from each source's function. Each source is read again, one at a time (source 0 is the base under
+    `base: first`)."""
+    moe_logits = model.eval()(x)
+    errors = []
+    for index, checkpoint in enumerate(sources.checkpoints):
+        if index == 0 and (sources.base_mode == "first" or sources.count == 1):
+            dense = sources.base
+        else:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed)
+                dense, _ = dense_model(spec, checkpoint, trust_pickle=trust_pickle)
+        logits = dense.eval()(x)
+        errors.append(((moe_logits - logits).norm() / logits.norm().clamp(min=1e-30)).item())
+        del dense
+    return tuple(errors)
 
 
 @torch.no_grad()
 def compare(dense: nn.Module, model: nn.Module, input_size: tuple[int, int, int], source: str,
-            generator: torch.Generator, batch: int = COMPARED_BATCH) -> UpcycleReport:
-    """Max |logit difference| between the dense and the MoE model on one random batch, in eval mode."""
-    x = torch.randn((batch, *input_size), generator=generator)
+            generator: torch.Generator, batch: int = COMPARED_BATCH, inputs: torch.Tensor | None = None
+            ) -> UpcycleReport:
+    """Max |logit difference| between the dense and the MoE model on `inputs` (default: one random batch drawn
+    from `generator`), in eval mode."""
+    x = torch.randn((batch, *input_size), generator=generator) if inputs is None else inputs
     dense_logits = dense.eval()(x)
     moe_logits = model.eval()(x)
     diff = (dense_logits - moe_logits).abs().max().item()

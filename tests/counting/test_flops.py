@@ -110,6 +110,10 @@ EXPECTED = {
     "softmoe_h14_e128_half": ("vit_huge_patch14_224", _layers(16, "soft", 1280, 257, 128)),
     "softmoe_h14_e256_half": ("vit_huge_patch14_224", _layers(16, "soft", 1280, 257, 256)),
     "softmoe_h14_e128_every2": ("vit_huge_patch14_224", _layers(16, "soft", 1280, 257, 128)),  # blocks 1, 3, .., 31
+    # the upcycling recipes: expert choice at c = 2 (in the top_k slot), top-2 in every block, top-2 every 2
+    "upcycle_vit_b16_ec32_every2": ("vit_base_patch16_224", _layers(6, "expert_choice", 768, 197, 32, 2)),
+    "upcycle_vit_s16_drop_e8_top2": ("vit_small_patch16_224", _layers(12, "topk", 384, 197, 8, 2)),
+    "upcycle_vit_s16_multisource_e4_top2": ("vit_small_patch16_224", _layers(6, "topk", 384, 197, 4, 2)),
 }
 
 
@@ -121,6 +125,9 @@ def expected_counts(layers, dense_params, dense_macs):
       experts, instead of the dense FFN; the router costs C x E per item (topk) or per image (image).
     soft: E experts, Phi (C x S) and a scale; everything is activated. MACs per image: logits, dispatch and
       combine (3 N S C) and S slot FFNs, instead of N dense FFNs.
+    expert_choice (capacity c in the top_k slot): each expert takes round(c N / E) of the N items, so E of
+      them make rows = E round(c N / E) expert passes per image (32 x round(2 x 197 / 32) = 32 x 12 = 384), each
+      an expert FFN plus its combine (2 C h + C); activated: rows / N experts per item, rounded in parameters.
     """
     total, activated, macs = dense_params, dense_params, dense_macs
     for kind, dim, dense_hidden, hidden, experts, top_k, items, shared in layers:
@@ -132,6 +139,12 @@ def expected_counts(layers, dense_params, dense_macs):
             macs += 3 * items * slots * dim + slots * 2 * dim * hidden - items * 2 * dim * dense_hidden
             continue
         router = dim * experts
+        if kind == "expert_choice":
+            rows = experts * min(items, max(1, round(top_k * items / experts)))
+            total += experts * expert + router - dense
+            activated += round(rows / items * expert) + router - dense
+            macs += router * items + rows * (2 * dim * hidden + dim) - items * 2 * dim * dense_hidden
+            continue
         total += (experts + shared) * expert + router - dense
         activated += (top_k + shared) * expert + router - dense
         router_macs = router * (1 if kind == "image" else items)
