@@ -46,7 +46,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from ..errors import CheckpointError, MoespecError
 from ..io import check_output
-from ..io.atomic import OWNER, dead_owner, default_mode, foreign, owner_tag
+from ..io.atomic import OWNER, dead_owner, default_mode, foreign, owner_tag, possible_pid
 from ..weights import SPEC_HASH_KEY, spec_metadata
 from .sharding import expert_group, expert_slices
 
@@ -204,7 +204,8 @@ def _leftovers(path: Path) -> tuple[dict[tuple[str, str | None], list[Path]],
         return olds, temps
     for entry in parent.iterdir():
         match = old_name.match(entry.name) or temp_name.match(entry.name)
-        if match is None or not (foreign(match[2]) or dead_owner(match[1], match[2])) or not _ours(entry):
+        if match is None or not possible_pid(match[1]) or not (foreign(match[2]) or dead_owner(match[1], match[2])) \
+                or not _ours(entry):
             continue
         (olds if match.re is old_name else temps).setdefault((match[1], match[2]), []).append(entry)
     return olds, temps

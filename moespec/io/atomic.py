@@ -50,10 +50,21 @@ def foreign(host: str | None) -> bool:
     return host is not None and host != HOST_TAG
 
 
+PID_MAX = 2**22
+"""Linux's largest pid (PID_MAX_LIMIT): a name of this host's with a pid above it is no writer's of this host."""
+
+
+def possible_pid(pid: str) -> bool:
+    """Whether `pid` (digits from a leftover's name) can be a process's on any host: a positive pid_t (32-bit). A
+    name with another (0, 4294967296) is not a moespec writer's, whatever else it looks like: it is never
+    removed, moved or counted."""
+    return len(pid) <= 10 and 0 < int(pid) < 2**31
+
+
 def dead_owner(pid: str, host: str | None) -> bool:
-    """Whether the writer named `{pid}@{host}` is gone: it ran on this host and its pid no longer runs here. A
-    writer on another host is never taken for dead."""
-    return not foreign(host) and not _alive(int(pid))
+    """Whether the writer named `{pid}@{host}` is gone: it ran on this host and its pid, one this host can have
+    (up to `PID_MAX`), no longer runs here. A writer on another host is never taken for dead."""
+    return possible_pid(pid) and int(pid) <= PID_MAX and not foreign(host) and not _alive(int(pid))
 
 
 def check_output(path: str | Path, force: bool, *, folder: bool = False) -> Path:
@@ -218,7 +229,7 @@ def _marked_folder(parent: Path, prefix: str) -> Path:
     for _ in range(100):
         folder = parent / f"{prefix}{''.join(random.choices(string.ascii_lowercase + string.digits, k=8))}.tmp"
         try:
-            fd = os.open(_mark(folder), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+            fd = os.open(_mark(folder), os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW, 0o600)
         except FileExistsError:
             continue
         os.close(fd)
@@ -238,7 +249,7 @@ def _aside_folder(path: Path) -> Path:
         suffix = "" if attempt == 0 else "-" + "".join(random.choices(string.ascii_lowercase + string.digits, k=8))
         old = path.with_name(f".{path.name}.old-{owner_tag()}{suffix}")
         try:
-            fd = os.open(_mark(old), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+            fd = os.open(_mark(old), os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW, 0o600)
         except FileExistsError:
             continue
         os.close(fd)
@@ -257,8 +268,8 @@ def _writers_folders(path: Path) -> list[tuple[Path, bool]]:
     found = []
     for old in path.parent.glob(f".{glob.escape(path.name)}.old-*"):
         match = _OLD_SUFFIX.fullmatch(old.name[len(path.name) + 1:])
-        if match is not None and old.is_dir() and not old.is_symlink() and _mark(old).is_file() \
-                and (foreign(match[2]) or not _alive(int(match[1]))):
+        if match is not None and possible_pid(match[1]) and old.is_dir() and not old.is_symlink() \
+                and _mark(old).is_file() and (foreign(match[2]) or dead_owner(match[1], match[2])):
             found.append((old, foreign(match[2])))
     return found
 
@@ -281,7 +292,8 @@ def _restore_folder(path: Path, *, locked: bool = False) -> None:
                            f"process on another host moved aside while it replaced it; that process may still be "
                            f"writing. If it is not, rename {elsewhere[0].name} back to {path.name} (or remove it), "
                            f"then run this again")
-    if not (_dead_writers_folders(path) or _stale_temp_files(path) or _stale_marks(path) or lock_file(path).exists()):
+    left = _dead_writers_folders(path) or _stale_temp_files(path) or _stale_marks(path)
+    if not (left or os.path.lexists(lock_file(path))):
         return
     with contextlib.nullcontext() if locked else output_lock(path):
         for old in sorted(_dead_writers_folders(path), key=lambda p: p.stat().st_mtime, reverse=True):
