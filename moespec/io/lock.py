@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Iterator
 
 from ..errors import MoespecError
+from ..files import planted_kind
 
 LOCK_WAIT_SECONDS = 10.0
 """How long a second writer waits for the first before it is refused."""
@@ -68,13 +69,6 @@ def output_lock(path: str | Path, *, wait: float = LOCK_WAIT_SECONDS) -> Iterato
             if _still_at(lock, fd):  # never a name that something else took meanwhile
                 os.unlink(lock)  # before the unlock: a writer that waited on this file then sees it gone
         os.close(fd)
-
-
-def planted_kind(mode: int) -> str:
-    """What a name that is not a plain file is, in words ("a symbolic link", "a fifo", ...)."""
-    kinds = [(stat.S_ISLNK, "a symbolic link"), (stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a fifo"),
-             (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a device"), (stat.S_ISBLK, "a device")]
-    return next((words for test, words in kinds if test(mode)), "not a plain file")
 
 
 def _planted(lock: Path, path: str | Path, what: str) -> MoespecError:
