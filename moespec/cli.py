@@ -7,6 +7,7 @@ a bug in moespec and exits 1 with a hint to rerun with `--debug`.
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 from enum import Enum
 from pathlib import Path
@@ -75,7 +76,8 @@ def _run(action: Callable[[], int | None]) -> None:
 
 def _report_failure(file: Path, error: MoespecError) -> None:
     """The problems of one spec of several, one line each; the other specs go on."""
-    for problem in error.problems if isinstance(error, SpecError) else [f"{file}: {error}"]:
+    named = str(error).startswith(f"{file}:")  # the error names the file already
+    for problem in error.problems if isinstance(error, SpecError) else [str(error) if named else f"{file}: {error}"]:
         _error(f"moespec: error: {problem}")
 
 
@@ -91,8 +93,7 @@ def validate(specs: List[Path] = typer.Argument(..., help="Spec files or folders
             try:
                 p = plan_file(file, cached=True)
                 old_keys = previous_release_keys(file)
-                if old_keys and fix:
-                    _write_text(file, upgraded_spec_text(file))
+                where = _fix_file(file) if old_keys and fix else ""
             except MoespecError as error:
                 failed += 1
                 _report_failure(file, error)
@@ -100,7 +101,7 @@ def validate(specs: List[Path] = typer.Argument(..., help="Spec files or folders
             out.print(f"ok: {file} ({p.model}, {len(p.layers)} MoE layers)", markup=False)
             if old_keys:
                 moved = ", ".join(old_keys)
-                _error(f"moespec: {'fixed' if fix else 'note'}: {file}: {moved}: "
+                _error(f"moespec: {'fixed' if fix else 'note'}: {file}{where}: {moved}: "
                        + ("moved into the router" if fix else "the previous release's form, still read; "
                           "`moespec validate --fix` moves it into the router"))
         return 2 if failed else 0
@@ -108,14 +109,25 @@ def validate(specs: List[Path] = typer.Argument(..., help="Spec files or folders
     _run(body)
 
 
-def _write_text(path: Path, text: str) -> None:
-    """Replace the file `path` (named by the user) with `text`, atomically, keeping its permissions."""
-    from .io import atomic_output  # the io stage imports safetensors; validate needs it only to write
+def _fix_file(file: Path) -> str:
+    """`validate --fix` of one spec file: the file a symbolic link names is rewritten (the link stays; the
+    returned note says which file changed), and only when it is still what was read (`io.rewrite_file`). A
+    file with other names (hard links) or that is read-only is refused, left as it is."""
+    from .io.atomic import rewrite_file  # the io stage imports safetensors; validate needs it only to write
+    from .spec.loading import read_spec_text
 
-    mode = path.stat().st_mode & 0o7777
-    with atomic_output(path, force=True) as tmp:
-        tmp.write_text(text, encoding="utf-8")
-        tmp.chmod(mode)
+    target = Path(os.path.realpath(file)) if file.is_symlink() else file
+    status = target.stat()
+    if status.st_nlink > 1:
+        raise MoespecError(f"{file}: has {status.st_nlink} names (hard links); --fix replaces the file, which would "
+                           f"leave the other names with the old text. Move the keys into `router:` by hand, or "
+                           f"copy it to a file of its own and fix that")
+    if not status.st_mode & 0o222:
+        raise MoespecError(f"{file}: read-only; --fix changes only a file you may write. Make it writable "
+                           f"(chmod u+w), then run --fix again")
+    text = read_spec_text(target)
+    rewrite_file(target, upgraded_spec_text(file, text).encode("utf-8"), text.encode("utf-8"), status)
+    return f" (the file it links to, {target})" if target != file else ""
 
 
 RANKS_HELP = ("Per-rank figures under expert parallelism over N ranks: each MoE layer's experts split evenly, the "
