@@ -21,7 +21,7 @@ from .choices import MAX_POINTS, PRECISIONS, STATS_FORMATS
 from .errors import MoespecError, SpecError
 from .planning import plan, plan_file
 from .spec import json_schema_text, load_spec, spec_files
-from .spec.loading import previous_release_keys, upgraded_spec_text
+from .spec.loading import previous_release_keys, read_spec_text, upgraded_spec_text
 
 # Each command imports the stages it needs beyond the spec and the plan inside its body: they import torch and
 # timm, seconds that `moespec --help` and `moespec schema` should not pay (tests/test_cli_imports.py). The plan
@@ -114,7 +114,6 @@ def _fix_file(file: Path) -> str:
     returned note says which file changed), and only when it is still what was read (`io.rewrite_file`). A
     file with other names (hard links) or that is read-only is refused, left as it is."""
     from .io.atomic import rewrite_file  # the io stage imports safetensors; validate needs it only to write
-    from .spec.loading import read_spec_text
 
     target = Path(os.path.realpath(file)) if file.is_symlink() else file
     status = target.stat()

@@ -53,7 +53,7 @@ from ..errors import CheckpointError, MoespecError
 from ..files import RefusedFile, load_json, read_regular
 from ..io import check_output
 from ..io.atomic import OWNER, dead_owner, default_mode, foreign, owner_tag, possible_pid
-from ..weights import SPEC_HASH_KEY, spec_metadata
+from ..weights import SPEC_HASH_KEY, check_buffers, spec_metadata
 from .sharding import expert_group, expert_slices
 
 EXTRA, SPEC_FILE, METADATA, MARK = "extra.json", "spec.json", ".metadata", "moespec_state.json"
@@ -131,7 +131,9 @@ def load_state(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimi
     except CheckpointException as error:
         raise _clean_error(path, error, "cannot read the training state", "; is the folder complete, as save_state "
                                                                           "wrote it?") from None
-    model.load_state_dict({name: _local(t) for name, t in state["model"].items()})
+    loaded = {name: _local(t) for name, t in state["model"].items()}
+    check_buffers([(name, loaded[name]) for name, _ in model.named_buffers() if name in loaded], str(path))
+    model.load_state_dict(loaded)
     optim = state["optim"]
     optim["state"] = {name: {k: _local(v) for k, v in moments.items()} for name, moments in optim["state"].items()}
     set_optimizer_state_dict(model, optimizer, optim)

@@ -76,7 +76,7 @@ def upgrade_group(data: Any) -> Any:
 def _as_mapping(router: RouterSpec) -> dict[str, Any]:
     """A router spec object as the mapping that gives it: its kind and the settings it was given (the others
     keep their defaults), so that a group's release 0.1 key set beside it is merged or refused alike."""
-    return {"kind": router.kind, **{name: getattr(router, name) for name in router.model_fields_set}}
+    return {"kind": router.kind, **router.model_dump(include=set(router.model_fields_set))}
 
 
 def _not_taken(key: str, value: Any, kind: str, spec: type) -> str:

@@ -175,3 +175,17 @@ def test_a_deeply_nested_extra_json_is_one_checkpoint_error(tmp_path, trained):
     with pytest.raises(CheckpointError, match=r"extra\.json: not the JSON save_state writes \(nested 100000 deep, "
                                               r"over the 64"):
         _load(folder, trained)
+
+
+def test_a_state_with_a_nan_balancing_bias_is_refused_and_the_model_left_as_it_was(tmp_path):
+    spec = moespec.load_spec({"name": "b", "backbone": VIT, "input_size": [3, 32, 32], "moe": [
+        {"where": {"every": 1}, "experts": 2, "router": {"kind": "topk", "top_k": 1, "bias_balance": {}}}]})
+    model = moespec.create_model(spec, seed=0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    bias = "blocks.0.mlp.router.balance.expert_bias"
+    model.get_buffer(bias)[0] = float("nan")
+    md.save_state(tmp_path / "state", model, optimizer)
+    fresh = moespec.create_model(spec, seed=0)
+    with pytest.raises(CheckpointError, match=rf"state: {bias} holds nan"):
+        md.load_state(tmp_path / "state", fresh, torch.optim.AdamW(fresh.parameters(), lr=1e-3))
+    assert torch.equal(fresh.get_buffer(bias), torch.zeros(2))
