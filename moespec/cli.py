@@ -38,8 +38,40 @@ out = Console(width=None if sys.stdout.isatty() else 240)  # never truncate tabl
 
 
 def _error(message: str) -> None:
-    """One line on stderr, never wrapped (scripts and tests grep these)."""
-    typer.echo(message, err=True)
+    """One line on stderr, never wrapped (scripts and tests grep these). Where no one reads stderr any more (its
+    reader is gone), the line is dropped and the command goes on."""
+    try:
+        typer.echo(message, err=True)
+    except BrokenPipeError:
+        _to_devnull(sys.stderr)
+
+
+def _to_devnull(stream) -> None:
+    """Point the stream's file descriptor at /dev/null: its reader is gone, and what is still buffered (or
+    written later, by us or a library) must not fail again, at exit least of all."""
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, stream.fileno())
+        os.close(devnull)
+
+
+def _steady_streams() -> None:
+    """Before anything runs: a standard stream that was closed (`2>&-`) is opened on /dev/null, so that no file
+    moespec opens takes its number (a library's warning would then be written into it), and stdout and stderr
+    replace what their encoding cannot show (a Latin-1 locale and a table's rules) instead of failing."""
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            opened = os.open(os.devnull, os.O_RDWR)
+            if opened != fd:
+                os.dup2(opened, fd)
+                os.close(opened)
+    for name, fd in (("stdout", 1), ("stderr", 2)):
+        if getattr(sys, name) is None:
+            setattr(sys, name, open(fd, "w", closefd=False))
+        with contextlib.suppress(AttributeError, ValueError):
+            getattr(sys, name).reconfigure(errors="replace")
 _debug = _quiet = False
 
 
@@ -64,6 +96,9 @@ def _run(action: Callable[[], int | None]) -> None:
     except KeyboardInterrupt:
         _error("moespec: interrupted")
         raise typer.Exit(130) from None
+    except BrokenPipeError:  # stdout's reader is gone (`| head`): it has read all it wanted
+        _to_devnull(sys.stdout)
+        raise typer.Exit(0) from None
     except Exception as error:  # a bug in moespec, not a user mistake
         if _debug:
             raise
@@ -406,6 +441,7 @@ def schema_command() -> None:
 
 
 def main() -> None:
+    _steady_streams()
     app()
 
 

@@ -80,6 +80,9 @@ def check_output(path: str | Path, force: bool, *, folder: bool = False) -> Path
 
 
 def _check_output(path: Path, force: bool, folder: bool) -> Path:
+    if folder and path.is_symlink():  # replacing it would replace the link, and leave the folder it names
+        raise MoespecError(f"{path} is a symbolic link (to {os.readlink(path)}); a report folder is written under "
+                           f"its own name, never through a link. Name the folder itself, or another one")
     if folder and path.exists() and not path.is_dir():
         raise MoespecError(f"{path} is a file; the report is a folder")
     if not folder and path.is_dir():
@@ -229,7 +232,10 @@ def _replace_folder(new: Path, path: Path) -> None:
     os.replace(new, path)
     _mark(new).unlink(missing_ok=True)
     if old is not None:
-        shutil.rmtree(old)
+        if old.is_symlink():  # a link that was at the path: removed, never followed
+            old.unlink()
+        else:
+            shutil.rmtree(old)
         _mark(old).unlink(missing_ok=True)
 
 

@@ -114,3 +114,22 @@ def test_leftover_names_with_impossible_pids_are_not_ours(tmp_path, pid):
     assert all(file.read_text() == "a user's" for file in planted)
     assert (folder / "notes.txt").read_text() == "a user's"
     assert (tmp_path / "rep" / "index.html").read_text() == "report"
+
+
+def test_a_report_path_that_is_a_link_to_a_folder_is_refused(tmp_path):
+    """`inspect -o` onto a symlink to a folder was an internal error and left a hidden link forever."""
+    from moespec.io import check_output
+
+    folder = tmp_path / "reports"
+    folder.mkdir()
+    (folder / "notes.txt").write_text("a user's")
+    link = tmp_path / "rep"
+    link.symlink_to(folder)
+    for force in (False, True):
+        with pytest.raises(MoespecError, match=r"rep is a symbolic link \(to .*reports\); a report folder is written"):
+            check_output(link, force, folder=True)
+        with pytest.raises(MoespecError, match="is a symbolic link"):
+            with atomic_output(link, force=force, folder=True) as tmp:
+                (tmp / "index.html").write_text("report")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rep", "reports"]
+    assert link.is_symlink() and [p.name for p in folder.iterdir()] == ["notes.txt"]
