@@ -269,6 +269,12 @@ PATHS = {kind.name: kind for kind in (Checkpoints, Reports, Plots, States)}
 
 def _fork_writer(kind, path: Path, value: int) -> tuple[int, int]:
     """A forked writer that writes `value` to `path` (with force) once the returned pipe is written to."""
+    return _fork(lambda: kind.write(path, value, True), f"writer {value}")
+
+
+def _fork(action, label: str) -> tuple[int, int]:
+    """A forked process that runs `action()` once the returned pipe is written to, and exits 0 when it returns,
+    REFUSED when another writer's lock refused it, 2 on any other MoespecError, 1 on anything else."""
     go_read, go_write = os.pipe()
     pid = os.fork()
     if pid == 0:
@@ -278,12 +284,12 @@ def _fork_writer(kind, path: Path, value: int) -> tuple[int, int]:
         os.read(go_read, 1)
         code = 0
         try:
-            kind.write(path, value, True)
+            action()
         except MoespecError as error:
             code = REFUSED if "another moespec process" in str(error) else 2
-            print(f"writer {value}: {error}"[:300], file=sys.stderr)
+            print(f"{label}: {error}"[:300], file=sys.stderr)
         except BaseException as error:  # noqa: BLE001 - a fuzzer reports what it finds
-            print(f"writer {value}: {type(error).__name__}: {error}"[:300], file=sys.stderr)
+            print(f"{label}: {type(error).__name__}: {error}"[:300], file=sys.stderr)
             code = 1
         os._exit(code)
     os.close(go_read)
@@ -427,26 +433,11 @@ def _fix_round(folder: Path, rng: random.Random, seconds: float) -> tuple[str, l
     path = folder / "spec.yaml"
     path.write_text(FIX_OLD)
     spec = moespec.load_spec(path).model_dump()
-    go_read, go_write = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        from moespec.cli import _fix_file
-        from moespec.errors import MoespecError
+    from moespec.cli import _fix_file
 
-        os.close(go_write)
-        os.read(go_read, 1)
-        code = 0
-        try:
-            _fix_file(path)
-        except MoespecError:
-            code = 2
-        except BaseException as error:  # noqa: BLE001
-            print(f"fix: {type(error).__name__}: {error}"[:300], file=sys.stderr)
-            code = 1
-        os._exit(code)
-    os.close(go_read)
-    os.write(go_write, b"g")
-    os.close(go_write)
+    pid, go = _fork(lambda: _fix_file(path), "--fix")
+    os.write(go, b"g")
+    os.close(go)
     time.sleep(rng.uniform(0.0, 1.5 * seconds))
     edit, how = f"# the user's edit {rng.randrange(10**6)}\n", rng.choice(["in place", "by a rename"])
     text = path.read_text()
