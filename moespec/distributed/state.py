@@ -123,6 +123,9 @@ def load_state(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimi
         dist.barrier()
     extra, saved, metadata = _on_every_rank(lambda: _read_state_files(path))
     state = _training_state(model, optimizer)
+    buffers = {name for name, _ in model.named_buffers()}  # read into copies: checked before the model gets them
+    state["model"] = {name: t.clone() if name in buffers and not isinstance(t, DTensor) else t
+                      for name, t in state["model"].items()}
     planner = _SafeLoadPlanner(path, _spec_mismatch(saved, getattr(model, "moespec_spec", None)))
     try:
         with warnings.catch_warnings():  # in one process DCP warns that it loads without torch.distributed

@@ -177,7 +177,7 @@ def test_a_deeply_nested_extra_json_is_one_checkpoint_error(tmp_path, trained):
         _load(folder, trained)
 
 
-def test_a_state_with_a_nan_balancing_bias_is_refused_and_the_model_left_as_it_was(tmp_path):
+def test_a_state_with_a_nan_balancing_bias_is_refused_and_the_models_buffers_left_as_they_were(tmp_path):
     spec = moespec.load_spec({"name": "b", "backbone": VIT, "input_size": [3, 32, 32], "moe": [
         {"where": {"every": 1}, "experts": 2, "router": {"kind": "topk", "top_k": 1, "bias_balance": {}}}]})
     model = moespec.create_model(spec, seed=0)
