@@ -7,6 +7,7 @@ a bug in moespec and exits 1 with a hint to rerun with `--debug`.
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 from enum import Enum
 from pathlib import Path
@@ -20,7 +21,7 @@ from .choices import MAX_POINTS, PRECISIONS, STATS_FORMATS
 from .errors import MoespecError, SpecError
 from .planning import plan, plan_file
 from .spec import json_schema_text, load_spec, spec_files
-from .spec.loading import previous_release_keys, upgraded_spec_text
+from .spec.loading import previous_release_keys, read_spec_text, upgraded_spec_text
 
 # Each command imports the stages it needs beyond the spec and the plan inside its body: they import torch and
 # timm, seconds that `moespec --help` and `moespec schema` should not pay (tests/test_cli_imports.py). The plan
@@ -37,8 +38,40 @@ out = Console(width=None if sys.stdout.isatty() else 240)  # never truncate tabl
 
 
 def _error(message: str) -> None:
-    """One line on stderr, never wrapped (scripts and tests grep these)."""
-    typer.echo(message, err=True)
+    """One line on stderr, never wrapped (scripts and tests grep these). Where no one reads stderr any more (its
+    reader is gone), the line is dropped and the command goes on."""
+    try:
+        typer.echo(message, err=True)
+    except BrokenPipeError:
+        _to_devnull(sys.stderr)
+
+
+def _to_devnull(stream) -> None:
+    """Point the stream's file descriptor at /dev/null: its reader is gone, and what is still buffered (or
+    written later, by us or a library) must not fail again, at exit least of all."""
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, stream.fileno())
+        os.close(devnull)
+
+
+def _steady_streams() -> None:
+    """Before anything runs: a standard stream that was closed (`2>&-`) is opened on /dev/null, so that no file
+    moespec opens takes its number (a library's warning would then be written into it), and stdout and stderr
+    replace what their encoding cannot show (a Latin-1 locale and a table's rules) instead of failing."""
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            opened = os.open(os.devnull, os.O_RDWR)
+            if opened != fd:
+                os.dup2(opened, fd)
+                os.close(opened)
+    for name, fd in (("stdout", 1), ("stderr", 2)):
+        if getattr(sys, name) is None:
+            setattr(sys, name, open(fd, "w", closefd=False))
+        with contextlib.suppress(AttributeError, ValueError):
+            getattr(sys, name).reconfigure(errors="replace")
 _debug = _quiet = False
 
 
@@ -63,6 +96,9 @@ def _run(action: Callable[[], int | None]) -> None:
     except KeyboardInterrupt:
         _error("moespec: interrupted")
         raise typer.Exit(130) from None
+    except BrokenPipeError:  # stdout's reader is gone (`| head`): it has read all it wanted
+        _to_devnull(sys.stdout)
+        raise typer.Exit(0) from None
     except Exception as error:  # a bug in moespec, not a user mistake
         if _debug:
             raise
@@ -75,7 +111,8 @@ def _run(action: Callable[[], int | None]) -> None:
 
 def _report_failure(file: Path, error: MoespecError) -> None:
     """The problems of one spec of several, one line each; the other specs go on."""
-    for problem in error.problems if isinstance(error, SpecError) else [f"{file}: {error}"]:
+    named = str(error).startswith(f"{file}:")  # the error names the file already
+    for problem in error.problems if isinstance(error, SpecError) else [str(error) if named else f"{file}: {error}"]:
         _error(f"moespec: error: {problem}")
 
 
@@ -91,8 +128,7 @@ def validate(specs: List[Path] = typer.Argument(..., help="Spec files or folders
             try:
                 p = plan_file(file, cached=True)
                 old_keys = previous_release_keys(file)
-                if old_keys and fix:
-                    _write_text(file, upgraded_spec_text(file))
+                where = _fix_file(file) if old_keys and fix else ""
             except MoespecError as error:
                 failed += 1
                 _report_failure(file, error)
@@ -100,7 +136,7 @@ def validate(specs: List[Path] = typer.Argument(..., help="Spec files or folders
             out.print(f"ok: {file} ({p.model}, {len(p.layers)} MoE layers)", markup=False)
             if old_keys:
                 moved = ", ".join(old_keys)
-                _error(f"moespec: {'fixed' if fix else 'note'}: {file}: {moved}: "
+                _error(f"moespec: {'fixed' if fix else 'note'}: {file}{where}: {moved}: "
                        + ("moved into the router" if fix else "the previous release's form, still read; "
                           "`moespec validate --fix` moves it into the router"))
         return 2 if failed else 0
@@ -108,14 +144,24 @@ def validate(specs: List[Path] = typer.Argument(..., help="Spec files or folders
     _run(body)
 
 
-def _write_text(path: Path, text: str) -> None:
-    """Replace the file `path` (named by the user) with `text`, atomically, keeping its permissions."""
-    from .io import atomic_output  # the io stage imports safetensors; validate needs it only to write
+def _fix_file(file: Path) -> str:
+    """`validate --fix` of one spec file: the file a symbolic link names is rewritten (the link stays; the
+    returned note says which file changed), and only when it is still what was read (`io.rewrite_file`). A
+    file with other names (hard links) or that is read-only is refused, left as it is."""
+    from .io.atomic import rewrite_file  # the io stage imports safetensors; validate needs it only to write
 
-    mode = path.stat().st_mode & 0o7777
-    with atomic_output(path, force=True) as tmp:
-        tmp.write_text(text, encoding="utf-8")
-        tmp.chmod(mode)
+    target = Path(os.path.realpath(file)) if file.is_symlink() else file
+    status = target.stat()
+    if status.st_nlink > 1:
+        raise MoespecError(f"{file}: has {status.st_nlink} names (hard links); --fix replaces the file, which would "
+                           f"leave the other names with the old text. Move the keys into `router:` by hand, or "
+                           f"copy it to a file of its own and fix that")
+    if not status.st_mode & 0o222:
+        raise MoespecError(f"{file}: read-only; --fix changes only a file you may write. Make it writable "
+                           f"(chmod u+w), then run --fix again")
+    text = read_spec_text(target)
+    rewrite_file(target, upgraded_spec_text(file, text).encode("utf-8"), text.encode("utf-8"), status)
+    return f" (the file it links to, {target})" if target != file else ""
 
 
 RANKS_HELP = ("Per-rank figures under expert parallelism over N ranks: each MoE layer's experts split evenly, the "
@@ -406,6 +452,7 @@ def schema_command() -> None:
 
 
 def main() -> None:
+    _steady_streams()
     app()
 
 

@@ -1,6 +1,7 @@
-"""Fuzz moespec's write paths (issue 37): random kill points x concurrent writers x layouts.
+"""Fuzz moespec's write paths (issues 37, 47): random kill points x concurrent writers x layouts, planted names,
+and an editor that saves during `validate --fix`.
 
-    python tools/fuzz_writes.py [--rounds 60] [--seed 0] [--paths checkpoint,report,plot,state]
+    python tools/fuzz_writes.py [--rounds 60] [--planted 24] [--fixes 40] [--seed 0] [--paths checkpoint,...]
 
 The write paths, each through the library function its command calls:
 
@@ -22,7 +23,18 @@ It then checks:
                   leaves only the outputs and the bystanders: nothing hidden behind
 
 and prints how each round ended (with "killed mid-write" where a kill left hidden files for the next write to
-clean up) and every failure, then a table per path. Exit 1 on any failure.
+clean up) and every failure, then a table per path.
+
+Planted names (`--planted` rounds per path, issue 47): before a forced write, something that no moespec writer
+made is put at one of the names a writer touches (the lock `.{name}.lock`, a temp name and a moved-aside name
+with a pid no process can have, or another host's): a symbolic link to a user's file, a fifo, a folder holding
+a user's file, a file of other contents. The write must finish (and read back) or be refused with one error
+(exit 2), within 60 s; the linked file, the planted name and what it holds must be as they were.
+
+Editors (`--fixes` rounds): `validate --fix` of a spec of the previous release runs in a forked process while
+an "editor" saves the file at a random moment, in place or by a rename, adding a line. The editor's line must
+be in the file at the end (fixed or not), the file must give the spec it gave, and nothing may be left beside
+it. Exit 1 on any failure.
 """
 
 from __future__ import annotations
@@ -257,6 +269,12 @@ PATHS = {kind.name: kind for kind in (Checkpoints, Reports, Plots, States)}
 
 def _fork_writer(kind, path: Path, value: int) -> tuple[int, int]:
     """A forked writer that writes `value` to `path` (with force) once the returned pipe is written to."""
+    return _fork(lambda: kind.write(path, value, True), f"writer {value}")
+
+
+def _fork(action, label: str) -> tuple[int, int]:
+    """A forked process that runs `action()` once the returned pipe is written to, and exits 0 when it returns,
+    REFUSED when another writer's lock refused it, 2 on any other MoespecError, 1 on anything else."""
     go_read, go_write = os.pipe()
     pid = os.fork()
     if pid == 0:
@@ -266,12 +284,12 @@ def _fork_writer(kind, path: Path, value: int) -> tuple[int, int]:
         os.read(go_read, 1)
         code = 0
         try:
-            kind.write(path, value, True)
+            action()
         except MoespecError as error:
             code = REFUSED if "another moespec process" in str(error) else 2
-            print(f"writer {value}: {error}"[:300], file=sys.stderr)
+            print(f"{label}: {error}"[:300], file=sys.stderr)
         except BaseException as error:  # noqa: BLE001 - a fuzzer reports what it finds
-            print(f"writer {value}: {type(error).__name__}: {error}"[:300], file=sys.stderr)
+            print(f"{label}: {type(error).__name__}: {error}"[:300], file=sys.stderr)
             code = 1
         os._exit(code)
     os.close(go_read)
@@ -335,9 +353,126 @@ def _round(kind, folder: Path, rng: random.Random, seconds: float) -> tuple[str,
             failures)
 
 
+PLANTS = ("symlink to a user's file", "fifo", "folder", "file of other contents")
+
+
+def _planted_names(output: str) -> list[str]:
+    """The names beside an output that a writer makes, looks at or removes."""
+    from moespec.io.atomic import HOST_TAG
+
+    return [f".{output}.lock", f".{output}.4294967296@{HOST_TAG}.abcdefgh.tmp", f".{output}.0@{HOST_TAG}.abcdefgh.tmp",
+            f".{output}.old-4294967296@{HOST_TAG}", f".{output}.old-{_dead_pid()}@0badc0de"]
+
+
+def _planted_round(kind, folder: Path, rng: random.Random) -> tuple[str, list[str]]:
+    """One write with something planted at one of the names a writer touches; (how it ended, failures)."""
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir()
+    path = folder / kind.output
+    victim = folder / "notes.txt"
+    victim.write_text("a user's")
+    old = rng.random() < 0.5
+    if old:
+        kind.write(path, 0, False)
+    name, plant = rng.choice(_planted_names(kind.output)), rng.choice(PLANTS)
+    planted = folder / name
+    if plant == "fifo":
+        os.mkfifo(planted)
+    elif plant == "folder":
+        planted.mkdir()
+        (planted / "notes.txt").write_text("a user's")
+    elif plant == "symlink to a user's file":
+        planted.symlink_to(victim)
+    else:
+        planted.write_text("a user's")
+    before = _snapshot(planted) if plant != "fifo" else None
+    pid, go = _fork_writer(kind, path, 7)
+    os.write(go, b"g")
+    os.close(go)
+    deadline, status = time.monotonic() + 60, None
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        return f"{plant} at {name.split('.', 2)[-1][:24]}: hung", ["the write hung"]
+    code = os.waitstatus_to_exitcode(status)
+    ended = {0: "written", 2: "refused"}.get(code, f"failed ({code})")
+    failures = [f"the writer {ended}"] if ended.startswith("failed") else []
+    try:
+        got = kind.read(path)
+        wanted = {7} if code == 0 else {0 if old else None}
+        if got not in wanted:
+            failures.append(f"reads as write {got}, not {sorted(wanted, key=str)}")
+    except Exception as error:  # noqa: BLE001 - a fuzzer reports what it finds
+        failures.append(f"unreadable: {type(error).__name__}: {error}"[:300])
+    if victim.read_text() != "a user's":
+        failures.append("the user's file changed")
+    if not os.path.lexists(planted) or (before is not None and plant != "symlink to a user's file"
+                                        and _snapshot(planted) != before) \
+            or (plant == "symlink to a user's file" and not planted.is_symlink()):
+        failures.append(f"the planted {plant} was changed or removed")
+    where = "lock" if name.endswith(".lock") else "temp name" if name.endswith(".tmp") else "moved-aside name"
+    return f"{plant} at the {where}: {ended}", failures
+
+
+FIX_OLD = ("backbone: {model: vit_small_patch16_224, kwargs: {depth: 2, img_size: 32, embed_dim: 32, num_heads: 2}}\n"
+           "input_size: [3, 32, 32]\nmoe:\n  - where: {every: 1}  # every block\n    experts: 4\n"
+           "    top_k: 2  # two experts\n    capacity_factor: 1.5\n    router:\n      kind: topk\n")
+
+
+def _fix_round(folder: Path, rng: random.Random, seconds: float) -> tuple[str, list[str]]:
+    """`validate --fix` in a forked process while an editor saves the file; (how it ended, failures)."""
+    import moespec
+
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir()
+    path = folder / "spec.yaml"
+    path.write_text(FIX_OLD)
+    spec = moespec.load_spec(path).model_dump()
+    from moespec.cli import _fix_file
+
+    pid, go = _fork(lambda: _fix_file(path), "--fix")
+    os.write(go, b"g")
+    os.close(go)
+    time.sleep(rng.uniform(0.0, 1.5 * seconds))
+    edit, how = f"# the user's edit {rng.randrange(10**6)}\n", rng.choice(["in place", "by a rename"])
+    text = path.read_text()
+    if how == "in place":
+        with open(path, "r+") as f:
+            f.seek(0, os.SEEK_END)
+            f.write(edit)
+    else:
+        (folder / "spec.yaml.swp").write_text(text + edit)
+        os.replace(folder / "spec.yaml.swp", path)
+    _, status = os.waitpid(pid, 0)
+    code = os.waitstatus_to_exitcode(status)
+    final = path.read_text()
+    failures = [] if code in (0, 2) else [f"--fix failed ({code})"]
+    if edit not in final:
+        failures.append("the editor's save was lost")
+    if moespec.load_spec(path).model_dump() != spec:
+        failures.append("the file gives another spec")
+    left = sorted(p.name for p in folder.iterdir() if p.name != "spec.yaml")
+    if left:
+        failures.append(f"left beside it: {left}")
+    fixed = "router:\n      kind: topk\n      top_k: 2" in final
+    outcome = {0: "fixed", 2: "refused (changed meanwhile)"}.get(code, "failed")
+    return f"saved {how}: --fix {outcome}, the file {'fixed' if fixed else 'as the editor left it'}", failures
+
+
+def _table(summary, name, rounds, failed, outcomes, note="") -> None:
+    summary.append((name, rounds, failed, note, outcomes))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=60, help="rounds per write path")
+    parser.add_argument("--planted", type=int, default=24, help="planted-name rounds per write path")
+    parser.add_argument("--fixes", type=int, default=40, help="validate --fix rounds with an editor")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--paths", default=",".join(PATHS), help=f"comma-separated, of {', '.join(PATHS)}")
     args = parser.parse_args()
@@ -358,19 +493,47 @@ def main() -> None:
             os.waitpid(pid, 0)
             seconds = time.perf_counter() - began  # a forked writer's time: kills land before, during and after
             shutil.rmtree(timing)
-            outcomes: dict[str, int] = {}
-            failed = 0
-            for number in range(args.rounds):
-                ended, failures = _round(kind, Path(tmp) / "round", rng, seconds)
+            plays = ((name, args.rounds, lambda kind=kind, seconds=seconds: _round(kind, Path(tmp) / "round", rng,
+                                                                                   seconds)),
+                     (f"{name}, planted names", args.planted,
+                      lambda kind=kind: _planted_round(kind, Path(tmp) / "round", rng)))
+            for label, rounds, play in plays:
+                outcomes: dict[str, int] = {}
+                failed = 0
+                for number in range(rounds):
+                    ended, failures = play()
+                    outcomes[ended] = outcomes.get(ended, 0) + 1
+                    for failure in failures:
+                        print(f"{label} round {number}: {ended}: FAIL {failure}", flush=True)
+                    failed += bool(failures)
+                total_failed += failed
+                note = f" (one write: {seconds:.2f} s)" if label == name else ""
+                _table(summary, label, rounds, failed, outcomes, note)
+        if args.fixes:
+            import moespec
+            from moespec.cli import _fix_file
+
+            timing = Path(tmp) / "timing"
+            timing.mkdir()
+            (timing / "spec.yaml").write_text(FIX_OLD)
+            moespec.load_spec(timing / "spec.yaml")
+            began = time.perf_counter()
+            _fix_file(timing / "spec.yaml")
+            seconds = time.perf_counter() - began
+            shutil.rmtree(timing)
+            outcomes, failed = {}, 0
+            for number in range(args.fixes):
+                ended, failures = _fix_round(Path(tmp) / "round", rng, seconds)
                 outcomes[ended] = outcomes.get(ended, 0) + 1
                 for failure in failures:
-                    print(f"{name} round {number}: {ended}: FAIL {failure}", flush=True)
+                    print(f"fix round {number}: {ended}: FAIL {failure}", flush=True)
                 failed += bool(failures)
             total_failed += failed
-            summary.append((name, args.rounds, failed, seconds, outcomes))
+            _table(summary, "validate --fix with an editor", args.fixes, failed, outcomes,
+                   f" (one --fix: {seconds:.2f} s)")
     print(f"{sum(s[1] for s in summary)} rounds in {time.perf_counter() - start:.0f} s, {total_failed} with a failure")
-    for name, rounds, failed, seconds, outcomes in summary:
-        print(f"{name}: {rounds} rounds, {failed} with a failure (one write: {seconds:.2f} s)")
+    for name, rounds, failed, note, outcomes in summary:
+        print(f"{name}: {rounds} rounds, {failed} with a failure{note}")
         for ended, count in sorted(outcomes.items()):
             print(f"  {count:4d}  {ended}")
     sys.exit(1 if total_failed else 0)

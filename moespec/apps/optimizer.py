@@ -11,12 +11,14 @@ groups come from timm's own functions; this module only says which parameters ar
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from timm.optim._param_groups import param_groups_layer_decay, param_groups_weight_decay
 from torch import nn
 
 from ..compiler import moe_layers
+from ..errors import MoespecError
 
 
 def optimizer_groups(model: nn.Module, weight_decay: float, expert_weight_decay: float | None = None,
@@ -37,7 +39,13 @@ def optimizer_groups(model: nn.Module, weight_decay: float, expert_weight_decay:
     Returns:
         timm's groups, in timm's order, where each decayed group that holds routed expert weights is followed
         by a copy of it (same `lr_scale`) that holds them, at `expert_weight_decay`.
+
+    A decay that is not a finite number >= 0, or a `layer_decay` outside (0, 1], is a `MoespecError` before
+    any group is made: one AdamW step at a NaN, infinite or negative decay leaves non-finite or growing weights.
     """
+    _check_number("weight_decay", weight_decay)
+    _check_number("expert_weight_decay", expert_weight_decay, optional=True)
+    _check_number("layer_decay", layer_decay, optional=True, high=1.0)
     # a compiled model's no_weight_decay() names the experts' stacked vectors too (`compiler/model.py`)
     no_decay = set(getattr(model, "no_weight_decay", set)())
     experts = {id(p) for layer in moe_layers(model).values() for p in layer.experts.parameters()}
@@ -59,3 +67,15 @@ def optimizer_groups(model: nn.Module, weight_decay: float, expert_weight_decay:
         split += [{**group, "params": rest, "weight_decay": weight_decay}] if rest else []
         split += [{**group, "params": routed, "weight_decay": expert_weight_decay}] if routed else []
     return split
+
+
+def _check_number(name: str, value: Any, *, optional: bool = False, high: float | None = None) -> None:
+    """`value` is a real number (not a bool or a string), finite, >= 0 (> 0 and <= `high` where given)."""
+    if value is None and optional:
+        return
+    number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    in_range = number and (0 < value <= high if high is not None else value >= 0)
+    if not in_range:
+        allowed = f"a number in (0, {high:g}]" if high is not None else "a finite number >= 0"
+        allowed += " or None" if optional else ""
+        raise MoespecError(f"optimizer_groups: {name} is {value!r}; allowed: {allowed}")

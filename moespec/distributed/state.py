@@ -3,9 +3,12 @@
     save_state(path, model, optimizer, extra=...)   a collective; the folder is replaced whole or not at all
     load_state(path, model, optimizer) -> extra     the experts resharded to this world size
 
-A state folder holds DCP's `.metadata` and `__{rank}_{n}.distcp` files, `extra.json` (the caller's dict) and
+A state folder holds DCP's `.metadata` and `__{rank}_{n}.distcp` files, `extra.json` (the caller's dict),
 `spec.json` (the spec the model was compiled from, so that a state that does not fit says which spec it was
-saved with). Written under a temporary name `.{name}.{pid}@{host}.{random}.tmp`, it is swapped in by two renames
+saved with) and `moespec_state.json`, the mark that says a save_state wrote it. A save replaces a folder only
+when it is such a state (or one of before the mark, holding nothing but state files), an empty folder, or with
+`force=True`; a symbolic link at the path is followed only to a state folder, which is then replaced in place
+of the link. Written under a temporary name `.{name}.{pid}@{host}.{random}.tmp`, it is swapped in by two renames
 with the old folder moved aside under a name no folder has, `.{name}.old-{pid}@{host}[.{random}]`. A save killed
 between the two leaves no folder at `path`; the next save_state or load_state finishes the swap (`_recover`),
 and removes what a killed save left, but only folders named by a process of this host that no longer runs and
@@ -20,6 +23,8 @@ where DCP's default planner would unpickle anything.
 
 from __future__ import annotations
 
+import errno
+import io
 import json
 import os
 import pathlib
@@ -45,45 +50,57 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from ..errors import CheckpointError, MoespecError
+from ..files import RefusedFile, load_json, read_regular
 from ..io import check_output
-from ..io.atomic import OWNER, dead_owner, default_mode, foreign, owner_tag
-from ..weights import SPEC_HASH_KEY, spec_metadata
+from ..io.atomic import OWNER, dead_owner, default_mode, foreign, owner_tag, possible_pid
+from ..weights import SPEC_HASH_KEY, check_buffers, spec_metadata
 from .sharding import expert_group, expert_slices
 
-EXTRA, SPEC_FILE, METADATA = "extra.json", "spec.json", ".metadata"
+EXTRA, SPEC_FILE, METADATA, MARK = "extra.json", "spec.json", ".metadata", "moespec_state.json"
+MARK_CONTENTS = '{"format": "moespec training state"}'
 DISTCP_FILE = re.compile(r"__\d+_\d+\.distcp\Z")
-STATE_FILE = re.compile(r"(\.metadata(\.tmp)?|__\d+_\d+\.distcp|extra\.json|spec\.json)\Z")
+STATE_FILE = re.compile(r"(\.metadata(\.tmp)?|__\d+_\d+\.distcp|extra\.json|spec\.json|moespec_state\.json)\Z")
 """Every file a save writes into the folder (`.metadata.tmp` while DCP finishes): nothing else is ours."""
 SPEC_NAME_KEY = "moespec.spec_name"
 METADATA_SLACK_BYTES = 16 * 2**20
 """DCP's `.metadata` is smaller than the data it describes (each entry is a few hundred bytes, each tensor or
 value it points to a torch.save blob of more); one larger than the data plus this is refused unread."""
 MAX_JSON_BYTES = 64 * 2**20  # extra.json and spec.json: a step count, a scheduler, a spec
+MAX_METADATA_BYTES = 2**31  # DCP's .metadata, beyond the check against the data it describes
 
 
 def save_state(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer, *,
-               extra: dict | None = None) -> None:
+               extra: dict | None = None, force: bool = False) -> None:
     """Save model + optimizer state to the folder `path` with torch.distributed.checkpoint (a collective under
     torch.distributed; also works in one process), the experts and their optimizer moments as DTensors sharded
     on the expert axis, so that `load_state` reads it back at any world size. `extra` (step, scheduler state:
     anything JSON holds) is saved beside it, and so is the model's spec. The folder is written whole under a
-    temporary name and swapped in: a save that fails or is killed leaves the previous state, or the new one."""
+    temporary name and swapped in: a save that fails or is killed leaves the previous state, or the new one.
+
+    What is at `path` is replaced only when it is a training state that save_state wrote, or an empty folder;
+    any other folder only with `force=True`; a file never. A symbolic link at `path` is followed only to a
+    state folder (the link stays, the folder it names is replaced); any other link is refused."""
     path = Path(path)
     writer = not dist.is_initialized() or dist.get_rank() == 0
     extra_json = json.dumps(extra or {})  # not JSON: fail before anything is written
-    tmp = _shared_temp_folder(path, writer)
+    path, tmp = _shared_temp_folder(path, writer, force)
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.save(_training_state(model, optimizer), checkpoint_id=str(tmp))
         if writer:
             spec = getattr(model, "moespec_spec", None)
-            if spec is not None:
-                (tmp / SPEC_FILE).write_text(json.dumps({**spec_metadata(spec), SPEC_NAME_KEY: spec.name}))
-            (tmp / EXTRA).write_text(extra_json)  # last: a folder with extra.json in it is complete
-            _swap_in(tmp, path)
+            try:
+                if spec is not None:
+                    (tmp / SPEC_FILE).write_text(json.dumps({**spec_metadata(spec), SPEC_NAME_KEY: spec.name}))
+                (tmp / EXTRA).write_text(extra_json)  # last: a folder with extra.json in it is complete
+            except OSError as error:
+                raise CheckpointError(f"{path}: cannot save the training state ({_os_reason(error)}); the "
+                                      f"previous state is unchanged") from None
+            _swap_in(tmp, path, force)
     except CheckpointException as error:  # DCP's BaseException: a rank could not write its files
-        raise _clean_error(path, error, "cannot save the training state") from None
+        raise _clean_error(path, error, "cannot save the training state",
+                           "; the previous state is unchanged") from None
     finally:
         if writer and tmp.exists():  # the save failed: the temp folder is this process's own
             shutil.rmtree(tmp)
@@ -106,6 +123,9 @@ def load_state(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimi
         dist.barrier()
     extra, saved, metadata = _on_every_rank(lambda: _read_state_files(path))
     state = _training_state(model, optimizer)
+    buffers = {name for name, _ in model.named_buffers()}  # read into copies: checked before the model gets them
+    state["model"] = {name: t.clone() if name in buffers and not isinstance(t, DTensor) else t
+                      for name, t in state["model"].items()}
     planner = _SafeLoadPlanner(path, _spec_mismatch(saved, getattr(model, "moespec_spec", None)))
     try:
         with warnings.catch_warnings():  # in one process DCP warns that it loads without torch.distributed
@@ -114,7 +134,9 @@ def load_state(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimi
     except CheckpointException as error:
         raise _clean_error(path, error, "cannot read the training state", "; is the folder complete, as save_state "
                                                                           "wrote it?") from None
-    model.load_state_dict({name: _local(t) for name, t in state["model"].items()})
+    loaded = {name: _local(t) for name, t in state["model"].items()}
+    check_buffers([(name, loaded[name]) for name, _ in model.named_buffers() if name in loaded], str(path))
+    model.load_state_dict(loaded)
     optim = state["optim"]
     optim["state"] = {name: {k: _local(v) for k, v in moments.items()} for name, moments in optim["state"].items()}
     set_optimizer_state_dict(model, optimizer, optim)
@@ -123,32 +145,70 @@ def load_state(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimi
 
 # -- the swap, and what a killed swap leaves ---------------------------------------------------------------------
 
-def _shared_temp_folder(path: Path, writer: bool) -> Path:
-    """The temp folder every rank saves into: rank 0 finishes what a killed save left at `path` and makes it,
-    and sends its name (or its error, so that no rank waits for a name that never comes) to the others."""
+def _shared_temp_folder(path: Path, writer: bool, force: bool) -> tuple[Path, Path]:
+    """(the folder to replace, the temp folder every rank saves into): rank 0 checks what is at `path`
+    (`_state_target`), finishes what a killed save left there and makes the temp folder, its mark in it, and
+    sends both names (or its error, so that no rank waits for a name that never comes) to the others."""
     made: list[Any] = [None]
     if writer:
         try:
-            check_output(path, force=True, folder=True)
-            _recover(path)
-            tmp = tempfile.mkdtemp(prefix=f".{path.name}.{owner_tag()}.", suffix=".tmp", dir=path.absolute().parent)
+            target = _state_target(path, force)
+            check_output(target, force=True, folder=True)
+            _recover(target)
+            tmp = tempfile.mkdtemp(prefix=f".{target.name}.{owner_tag()}.", suffix=".tmp",
+                                   dir=target.absolute().parent)
             os.chmod(tmp, default_mode(directory=True))
-            made = [tmp]
+            (Path(tmp) / MARK).write_text(MARK_CONTENTS)
+            made = [(target, tmp)]
         except MoespecError as error:
             made = [error]
         except OSError as error:  # no permission, disk full, a file where a folder should be
-            made = [CheckpointError(f"{path}: cannot write the training state next to it "
-                                    f"({error.strerror or error})")]
+            made = [CheckpointError(f"{path}: cannot write the training state next to it ({_os_reason(error)})")]
     if dist.is_initialized():
         dist.broadcast_object_list(made, src=0)
     if isinstance(made[0], MoespecError):
         raise made[0]
-    return Path(made[0])
+    return Path(made[0][0]), Path(made[0][1])
 
 
-def _swap_in(tmp: Path, path: Path) -> None:
+def is_state(folder: Path) -> bool:
+    """Whether `folder` is a training state that save_state wrote: a real folder with its mark, or one from
+    before the mark that holds `extra.json`, `.metadata` and nothing but state files."""
+    if not folder.is_dir() or folder.is_symlink():
+        return False
+    mark = folder / MARK
+    if mark.is_file() and not mark.is_symlink():
+        return True
+    return (folder / EXTRA).is_file() and (folder / METADATA).is_file() and _ours(folder)
+
+
+def _state_target(path: Path, force: bool) -> Path:
+    """The folder a save to `path` replaces: `path`, or the state folder a symbolic link there names. Refused
+    (CheckpointError) where that would replace what save_state did not write: a file, a link to anything but a
+    state folder, or a folder that is not empty and not a state (without `force`)."""
+    if path.is_symlink():
+        target = Path(os.path.realpath(path))
+        if not is_state(target):
+            what = "nothing" if not target.exists() else "a file" if not target.is_dir() else "a folder that is not " \
+                                                                                             "a training state"
+            raise CheckpointError(f"{path}: a symbolic link to {target}, which is {what}; save_state follows a link "
+                                  f"only to a training state's folder. Give the path of a folder to write")
+        return target
+    if path.exists() and not path.is_dir():
+        raise CheckpointError(f"{path} is a file; a training state is a folder, and save_state never replaces a "
+                              f"file. Choose another path")
+    if path.is_dir() and any(path.iterdir()) and not is_state(path) and not force:
+        raise CheckpointError(f"{path}: a folder that is not a training state (it has no {MARK}, which save_state "
+                              f"writes); save_state replaces only its own states. Choose another path, or pass "
+                              f"force=True to replace this folder and everything in it")
+    return path
+
+
+def _swap_in(tmp: Path, path: Path, force: bool) -> None:
     """Rename the complete folder `tmp` to `path`, the old `path` moved aside first and removed after. Killed
-    between the renames, `path` is missing: `_recover` renames `tmp` (complete) there."""
+    between the renames, `path` is missing: `_recover` renames `tmp` (complete) there. What is at `path` is
+    checked again first: another process may have put something there while the state was written."""
+    _state_target(path, force)
     moved = path.exists()
     old = None
     try:
@@ -159,7 +219,7 @@ def _swap_in(tmp: Path, path: Path) -> None:
     except OSError as error:
         if old is not None and old.exists() and not path.exists():
             os.replace(old, path)
-        raise CheckpointError(f"{path}: cannot replace the training state ({error.strerror or error})") from None
+        raise CheckpointError(f"{path}: cannot replace the training state ({_os_reason(error)})") from None
     if moved:
         shutil.rmtree(old)
 
@@ -204,7 +264,8 @@ def _leftovers(path: Path) -> tuple[dict[tuple[str, str | None], list[Path]],
         return olds, temps
     for entry in parent.iterdir():
         match = old_name.match(entry.name) or temp_name.match(entry.name)
-        if match is None or not (foreign(match[2]) or dead_owner(match[1], match[2])) or not _ours(entry):
+        if match is None or not possible_pid(match[1]) or not (foreign(match[2]) or dead_owner(match[1], match[2])) \
+                or not _ours(entry):
             continue
         (olds if match.re is old_name else temps).setdefault((match[1], match[2]), []).append(entry)
     return olds, temps
@@ -222,11 +283,11 @@ def _read_state_files(path: Path) -> tuple[Any, Any, Metadata]:
     """(extra, the spec.json dict or None for a state saved before it, DCP's metadata) of the folder `path`,
     read before DCP runs: DCP reports a metadata it cannot read as an AssertionError after logging a traceback
     and trying another file."""
-    if not (path / EXTRA).is_file():
+    if not os.path.lexists(path / EXTRA):
         raise CheckpointError(f"{path}: no training state here (save_state writes a folder with {EXTRA} in it)")
-    if not (path / METADATA).is_file():
+    if not os.path.lexists(path / METADATA):
         raise CheckpointError(f"{path}: has {EXTRA} but no {METADATA}; is the folder complete, as save_state wrote it?")
-    saved = _read_json(path / SPEC_FILE) if (path / SPEC_FILE).exists() else None
+    saved = _read_json(path / SPEC_FILE) if os.path.lexists(path / SPEC_FILE) else None
     return _read_json(path / EXTRA), saved, _read_metadata(path, path / METADATA)
 
 
@@ -249,27 +310,29 @@ def _on_every_rank(read):
 
 
 def _read_json(file: Path) -> Any:
-    size = file.stat().st_size
-    if size > MAX_JSON_BYTES:
-        raise CheckpointError(f"{file}: {size} bytes, over the {MAX_JSON_BYTES} a training state's {file.name} "
-                              f"can be; not read")
+    """A state's JSON file: a plain file of at most MAX_JSON_BYTES, nested at most MAX_JSON_DEPTH deep."""
     try:
-        return json.loads(file.read_bytes())
-    except (ValueError, OSError) as error:
+        return load_json(read_regular(file, MAX_JSON_BYTES))
+    except RefusedFile as error:
+        raise CheckpointError(f"{file}: {error} (a training state's {file.name} is a plain JSON file)") from None
+    except ValueError as error:
         raise CheckpointError(f"{file}: not the JSON save_state writes ({str(error)[:120]})") from None
 
 
 def _read_metadata(folder: Path, file: Path) -> Metadata:
     """DCP's `.metadata` of `folder`, unpickled by `_MetadataUnpickler`; refused unread when larger than the
     folder's data (plus METADATA_SLACK_BYTES), and checked to point only at the folder's own `.distcp` files."""
-    size = file.stat().st_size
-    data = sum(f.stat().st_size for f in folder.glob("*.distcp") if f.is_file())
-    if size > data + METADATA_SLACK_BYTES:
-        raise CheckpointError(f"{file}: {size} bytes of DCP metadata for {data} bytes of data; a training state's "
-                              f"metadata is smaller than its data; not read")
+    size = file.lstat().st_size
+    data_size = sum(f.stat().st_size for f in folder.glob("*.distcp") if f.is_file())
+    if size > data_size + METADATA_SLACK_BYTES:
+        raise CheckpointError(f"{file}: {size} bytes of DCP metadata for {data_size} bytes of data; a training "
+                              f"state's metadata is smaller than its data; not read")
     try:
-        with open(file, "rb") as f:
-            metadata = _MetadataUnpickler(f).load()
+        pickled = read_regular(file, min(data_size + METADATA_SLACK_BYTES, MAX_METADATA_BYTES))
+    except RefusedFile as error:
+        raise CheckpointError(f"{file}: {error} (a training state's {METADATA} is a plain file)") from None
+    try:
+        metadata = _MetadataUnpickler(io.BytesIO(pickled)).load()
     except Exception as error:  # a refused class, a truncated or junk pickle: all one refusal
         raise CheckpointError(f"{file}: not DCP metadata as save_state writes it ({_gist(error)}); "
                               f"nothing in it was run") from None
@@ -404,7 +467,27 @@ def _clean_error(path: Path, error: CheckpointException, what: str, hint: str = 
     if ours is not None:
         return CheckpointError(str(ours))
     first = failures[0] if failures else error
+    if any(_out_of_space(f) for f in failures):  # torch's writer says "enforce fail at inline_container.cc"
+        return CheckpointError(f"{path}: {what}: no space left on the device{hint}")
     return CheckpointError(f"{path}: {what} ({type(first).__name__}: {_gist(first)}){hint}")
+
+
+def _out_of_space(error: BaseException) -> bool:
+    """Whether a rank's failure is a full disk: ENOSPC, or torch's zip writer failing on a short write."""
+    while error is not None:
+        if isinstance(error, OSError) and error.errno == errno.ENOSPC:
+            return True
+        if "No space left on device" in str(error) or "inline_container" in str(error):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+def _os_reason(error: OSError) -> str:
+    """Why a write failed, in words; a full disk said plainly."""
+    if error.errno == errno.ENOSPC:
+        return "no space left on the device"
+    return error.strerror or str(error)
 
 
 def _gist(error: BaseException) -> str:

@@ -50,10 +50,21 @@ def foreign(host: str | None) -> bool:
     return host is not None and host != HOST_TAG
 
 
+PID_MAX = 2**22
+"""Linux's largest pid (PID_MAX_LIMIT): a name of this host's with a pid above it is no writer's of this host."""
+
+
+def possible_pid(pid: str) -> bool:
+    """Whether `pid` (digits from a leftover's name) can be a process's on any host: a positive pid_t (32-bit). A
+    name with another (0, 4294967296) is not a moespec writer's, whatever else it looks like: it is never
+    removed, moved or counted."""
+    return len(pid) <= 10 and 0 < int(pid) < 2**31
+
+
 def dead_owner(pid: str, host: str | None) -> bool:
-    """Whether the writer named `{pid}@{host}` is gone: it ran on this host and its pid no longer runs here. A
-    writer on another host is never taken for dead."""
-    return not foreign(host) and not _alive(int(pid))
+    """Whether the writer named `{pid}@{host}` is gone: it ran on this host and its pid, one this host can have
+    (up to `PID_MAX`), no longer runs here. A writer on another host is never taken for dead."""
+    return possible_pid(pid) and int(pid) <= PID_MAX and not foreign(host) and not _alive(int(pid))
 
 
 def check_output(path: str | Path, force: bool, *, folder: bool = False) -> Path:
@@ -69,6 +80,9 @@ def check_output(path: str | Path, force: bool, *, folder: bool = False) -> Path
 
 
 def _check_output(path: Path, force: bool, folder: bool) -> Path:
+    if folder and path.is_symlink():  # replacing it would replace the link, and leave the folder it names
+        raise MoespecError(f"{path} is a symbolic link (to {os.readlink(path)}); a report folder is written under "
+                           f"its own name, never through a link. Name the folder itself, or another one")
     if folder and path.exists() and not path.is_dir():
         raise MoespecError(f"{path} is a file; the report is a folder")
     if not folder and path.is_dir():
@@ -156,6 +170,52 @@ def commit(tmp: Path, path: Path) -> None:
     os.replace(tmp, path)
 
 
+def rewrite_file(path: Path, data: bytes, expected: bytes, before: os.stat_result) -> None:
+    """Replace the file `path`, which held `expected` and was the file `before` describes (its `os.stat` from
+    before the caller read it) with `data` (atomically, its permissions kept), only if it still holds
+    `expected` and is still the same file at the rename: an editor
+    that saved it meanwhile, in place or by a rename, is never overwritten. Refused (`MoespecError`, naming
+    `path`) when it changed, and when it cannot be replaced (no permission, another user's file in a sticky
+    folder, a full disk); the file is then as it was. Where the system can, the new file is swapped in and
+    the old one checked after the swap, so that no moment is left between the check and the rename."""
+    with output_lock(path):
+        if not _holds(path, expected, before):
+            raise _changed(path)
+        try:
+            with temp_output(path) as tmp:
+                with open(tmp, "wb") as out:
+                    out.write(data)
+                    out.flush()
+                    os.fsync(out.fileno())
+                os.chmod(tmp, before.st_mode & 0o7777)
+                if _exchange(tmp, path):
+                    if not _holds(tmp, expected, before):  # an edit landed just before the swap: put it back
+                        _exchange(tmp, path)
+                        raise _changed(path)
+                elif _holds(path, expected, before):
+                    os.replace(tmp, path)
+                else:
+                    raise _changed(path)
+        except OSError as err:
+            why = "no space left on the device" if err.errno == errno.ENOSPC else err.strerror or str(err)
+            raise MoespecError(f"{path}: cannot replace it ({why}); it is as it was") from None
+
+
+def _holds(path: Path, expected: bytes, before: os.stat_result) -> bool:
+    """Whether `path` is still the file `before` describes (device and inode) and holds `expected`."""
+    try:
+        now = os.stat(path)
+        with open(path, "rb") as file:
+            return os.path.samestat(now, before) and file.read(len(expected) + 1) == expected
+    except OSError:
+        return False
+
+
+def _changed(path: Path) -> MoespecError:
+    return MoespecError(f"{path}: changed while it was being rewritten (saved by an editor?); it was left as it "
+                        f"is now. Run the command again")
+
+
 def _replace_folder(new: Path, path: Path) -> None:
     """Rename the complete folder `new` to `path`. An old folder at `path` is swapped with `new` in one step
     where the system can (`_exchange`): `new`, this writer's marked temp folder, then holds the old one, which
@@ -172,7 +232,10 @@ def _replace_folder(new: Path, path: Path) -> None:
     os.replace(new, path)
     _mark(new).unlink(missing_ok=True)
     if old is not None:
-        shutil.rmtree(old)
+        if old.is_symlink():  # a link that was at the path: removed, never followed
+            old.unlink()
+        else:
+            shutil.rmtree(old)
         _mark(old).unlink(missing_ok=True)
 
 
@@ -218,7 +281,7 @@ def _marked_folder(parent: Path, prefix: str) -> Path:
     for _ in range(100):
         folder = parent / f"{prefix}{''.join(random.choices(string.ascii_lowercase + string.digits, k=8))}.tmp"
         try:
-            fd = os.open(_mark(folder), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+            fd = os.open(_mark(folder), os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW, 0o600)
         except FileExistsError:
             continue
         os.close(fd)
@@ -238,7 +301,7 @@ def _aside_folder(path: Path) -> Path:
         suffix = "" if attempt == 0 else "-" + "".join(random.choices(string.ascii_lowercase + string.digits, k=8))
         old = path.with_name(f".{path.name}.old-{owner_tag()}{suffix}")
         try:
-            fd = os.open(_mark(old), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+            fd = os.open(_mark(old), os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW, 0o600)
         except FileExistsError:
             continue
         os.close(fd)
@@ -257,8 +320,8 @@ def _writers_folders(path: Path) -> list[tuple[Path, bool]]:
     found = []
     for old in path.parent.glob(f".{glob.escape(path.name)}.old-*"):
         match = _OLD_SUFFIX.fullmatch(old.name[len(path.name) + 1:])
-        if match is not None and old.is_dir() and not old.is_symlink() and _mark(old).is_file() \
-                and (foreign(match[2]) or not _alive(int(match[1]))):
+        if match is not None and possible_pid(match[1]) and old.is_dir() and not old.is_symlink() \
+                and _mark(old).is_file() and (foreign(match[2]) or dead_owner(match[1], match[2])):
             found.append((old, foreign(match[2])))
     return found
 
@@ -281,7 +344,8 @@ def _restore_folder(path: Path, *, locked: bool = False) -> None:
                            f"process on another host moved aside while it replaced it; that process may still be "
                            f"writing. If it is not, rename {elsewhere[0].name} back to {path.name} (or remove it), "
                            f"then run this again")
-    if not (_dead_writers_folders(path) or _stale_temp_files(path) or _stale_marks(path) or lock_file(path).exists()):
+    left = _dead_writers_folders(path) or _stale_temp_files(path) or _stale_marks(path)
+    if not (left or os.path.lexists(lock_file(path))):
         return
     with contextlib.nullcontext() if locked else output_lock(path):
         for old in sorted(_dead_writers_folders(path), key=lambda p: p.stat().st_mtime, reverse=True):

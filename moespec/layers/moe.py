@@ -23,6 +23,7 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from ..errors import MoespecError
 from .collectives import all_reduce_sum
 from .dispatch import exporting
 from .experts import Experts
@@ -304,15 +305,20 @@ def update_bias(model: nn.Module, group=None) -> int:
     replicas of a hybrid sharding); without torch.distributed each process's own loads move its bias.
     """
     by_group: dict[object, list[nn.Module]] = {}
-    for layer in model.modules():
+    names = {}
+    for name, layer in model.named_modules():
         balance = getattr(layer.router, "balance", None) if isinstance(layer, MoE) else None
         if balance is not None:
             own = group if group is not None else getattr(layer.experts, "routing_group", None)
             by_group.setdefault(own if own is not None else _world(), []).append(balance)
+            names[id(balance)] = name
     for own, balances in by_group.items():  # one collective per group, in module order on every rank
         loads = all_reduce_sum([balance.tokens_per_expert for balance in balances], own)
         for balance, load in zip(balances, loads, strict=True):
-            balance.step(load)
+            try:
+                balance.step(load)
+            except MoespecError as error:  # a bias that is not finite: named, never written
+                raise MoespecError(f"{names[id(balance)]}: {error}") from None
     return sum(len(balances) for balances in by_group.values())
 
 

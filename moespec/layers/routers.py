@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..errors import MoespecError
 from .dispatch import exporting, sync_free
 from .interfaces import Router
 from .routing import (
@@ -144,7 +145,11 @@ class BalancingBias(nn.Module):
         again. A step without choices changes nothing."""
         load = load.double()
         if load.sum() > 0:
-            self.expert_bias += self.rate * torch.sign(load.mean() - load).to(self.expert_bias.dtype)
+            bias = self.expert_bias + self.rate * torch.sign(load.mean() - load).to(self.expert_bias.dtype)
+            if not bool(torch.isfinite(bias).all()):  # a bias set to NaN or Inf by hand, or grown past its dtype
+                raise MoespecError(f"the balancing bias would hold {bias[~torch.isfinite(bias)][0].item()}; "
+                                   f"update_bias writes only finite biases, and left it as it is")
+            self.expert_bias.copy_(bias)
         self.tokens_per_expert.zero_()
 
     def extra_repr(self) -> str:

@@ -3,12 +3,18 @@ import neither torch nor timm (seconds each): a plan reads only the backbone's s
 
 One JSON file per backbone, named by a hash of all that shapes its sketch: the timm model name and kwargs,
 the versions of timm and torch, and the source of the code that reads a backbone (an edit to an adapter
-starts afresh). It also records, per input size, whether the model took it. An entry that is missing,
-unreadable or not ours is rebuilt from the model, and a write that fails is skipped: the cache changes how
-fast an answer comes, never the answer. The CLI uses it (`plan(spec, cached=True)`); the library does not,
+starts afresh). The entry records that key too, and, per input size, whether the model took it. An entry is
+trusted only when it is ours: a plain file of this user's that no one else may write, holding the key it is
+filed under. One that is missing, unreadable, another user's (a shared `MOESPEC_CACHE_DIR`) or filed under
+another key is rebuilt from the model, and a write that fails is skipped: the cache changes how fast an
+answer comes, never the answer. The CLI uses it (`plan(spec, cached=True)`); the library does not,
 since code that registers its own timm models, adapters or rebuilders may change them under the same name.
 
     MOESPEC_CACHE_DIR   where entries go (default: $XDG_CACHE_HOME/moespec, else ~/.cache/moespec); empty: off
+
+A leading `~` in MOESPEC_CACHE_DIR is the home folder (a quoted `~` that the shell did not expand); a relative
+folder in either variable is not used (the XDG rule: it would make folders wherever a command runs), and
+MOESPEC_CACHE_DIR relative turns the cache off.
 """
 
 from __future__ import annotations
@@ -17,7 +23,6 @@ import contextlib
 import hashlib
 import json
 import os
-import stat
 import tempfile
 from dataclasses import asdict
 from importlib import metadata
@@ -25,10 +30,11 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import Problem, SpecError
+from ..files import RefusedFile, load_json, read_regular
 from ..spec import BackboneSketch, Block, BlockLayout, FFNShape, Rescalable, Spec, located
 from .checks import input_refusal, input_size_of, input_size_problem
 
-FORMAT = 1  # of an entry's JSON
+FORMAT = 2  # of an entry's JSON (2: it records its key)
 MAX_ENTRY_BYTES = 4_000_000  # a sketch of a 1,000-block model is ~200 kB
 MAX_INPUT_SIZES = 32  # input-size outcomes kept per backbone
 SKETCH_SOURCES = ("backbones", "spec/blocks.py", "planning/checks.py", "planning/cache.py")  # under moespec/
@@ -37,8 +43,8 @@ SKETCH_SOURCES = ("backbones", "spec/blocks.py", "planning/checks.py", "planning
 def backbone_facts(spec: Spec, *, cached: bool) -> tuple[BackboneSketch, Problem | None]:
     """The sketch of `spec`'s backbone and the problem with its input size (None when the model takes it):
     from the cache when it holds both, else from the backbone built on the meta device (then cached)."""
-    file = entry_file(spec) if cached else None
-    entry = _read(file) if file is not None else None
+    file, key = entry_file(spec, with_key=True) if cached else (None, None)
+    entry = _read(file, key) if file is not None else None
     refusals: dict[tuple[int, int, int], str | None] = {}
     if entry is not None:
         sketch, refusals = entry
@@ -61,30 +67,33 @@ def backbone_facts(spec: Spec, *, cached: bool) -> tuple[BackboneSketch, Problem
         return sketch, error.problems[0]
     refusals = {size: input_refusal(model, size), **refusals}
     if file is not None:
-        _write(file, sketch, dict(list(refusals.items())[:MAX_INPUT_SIZES]))
+        _write(file, key, sketch, dict(list(refusals.items())[:MAX_INPUT_SIZES]))
     return sketch, _problem(spec, size, refusals[size])
 
 
 def cache_folder() -> Path | None:
     """Where entries go, or None when the cache is off (`MOESPEC_CACHE_DIR=`) or there is no home folder."""
     given = os.environ.get("MOESPEC_CACHE_DIR")
-    if given is not None:
-        return Path(given) if given else None
     try:
-        return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "moespec"
+        if given is not None:
+            folder = Path(given).expanduser() if given else None
+            return folder if folder is not None and folder.is_absolute() else None
+        xdg = Path(os.environ.get("XDG_CACHE_HOME") or "")
+        return (xdg if xdg.is_absolute() else Path.home() / ".cache") / "moespec"
     except RuntimeError:  # no home folder
         return None
 
 
-def entry_file(spec: Spec) -> Path | None:
-    """The entry of `spec`'s backbone, or None when there is no cache (or timm or torch is not installed)."""
+def entry_file(spec: Spec, *, with_key: bool = False) -> Any:
+    """The entry of `spec`'s backbone, or None when there is no cache (or timm or torch is not installed); with
+    `with_key`, (that file, the key it is filed under), or (None, None)."""
     folder = cache_folder()
-    if folder is None:
-        return None
     try:
         versions = {name: metadata.version(name) for name in ("timm", "torch")}
     except metadata.PackageNotFoundError:
-        return None
+        folder = None
+    if folder is None:
+        return (None, None) if with_key else None
     package = Path(__file__).resolve().parent.parent
     source = hashlib.sha256()
     for name in SKETCH_SOURCES:
@@ -92,17 +101,20 @@ def entry_file(spec: Spec) -> Path | None:
             source.update(file.read_bytes())
     key = {"format": FORMAT, "model": spec.backbone.model, "kwargs": spec.backbone.kwargs, "versions": versions,
            "source": source.hexdigest()}
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=repr).encode()).hexdigest()
-    return folder / "backbones" / f"{digest[:32]}.json"
+    key = json.loads(json.dumps(key, sort_keys=True, default=repr))  # as it reads back from the entry
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
+    file = folder / "backbones" / f"{digest[:32]}.json"
+    return (file, key) if with_key else file
 
 
 def _problem(spec: Spec, size: tuple[int, int, int], refusal: str | None) -> Problem | None:
     return None if refusal is None else input_size_problem(spec, size, refusal)
 
 
-def _write(file: Path, sketch: BackboneSketch, refusals: dict) -> None:
-    """Write the entry through a temp file and a rename (a reader sees all of it or none); skip it on failure."""
-    entry = {"format": FORMAT, "sketch": asdict(sketch),
+def _write(file: Path, key: dict, sketch: BackboneSketch, refusals: dict) -> None:
+    """Write the entry through a temp file and a rename (a reader sees all of it or none); skip it on failure.
+    The file is private to this user (mkstemp's 0600), as `_read` requires."""
+    entry = {"format": FORMAT, "key": key, "sketch": asdict(sketch),
              "inputs": [[list(size), refusal] for size, refusal in refusals.items()]}
     temp = None
     try:
@@ -117,22 +129,21 @@ def _write(file: Path, sketch: BackboneSketch, refusals: dict) -> None:
                 os.unlink(temp)
 
 
-def _read(file: Path) -> tuple[BackboneSketch, dict] | None:
-    """The entry at `file`, or None when there is none or it is not a whole entry of this format."""
+def _read(file: Path, key: dict) -> tuple[BackboneSketch, dict] | None:
+    """The entry at `file`, or None when there is none, it is not ours, or it is not a whole entry of this format
+    filed under `key`."""
     try:
-        # O_NONBLOCK: opening a fifo planted at the entry's path would wait for a writer; fstat then skips it
-        descriptor = os.open(file, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-        with open(descriptor, "rb") as f:
-            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):  # a fifo, socket, device or folder
-                return None
-            data = f.read(MAX_ENTRY_BYTES + 1)
-        entry = json.loads(data) if len(data) <= MAX_ENTRY_BYTES else None
-        if not isinstance(entry, dict) or entry.get("format") != FORMAT:
+        # a plain file (never a fifo, device or link) of this user's that no one else may write: an entry another
+        # user wrote in a shared cache folder, or could have changed, is not trusted
+        entry = load_json(read_regular(file, MAX_ENTRY_BYTES, own=True))
+        if not isinstance(entry, dict) or entry.get("format") != FORMAT or entry.get("key") != key:
             return None
         refusals = {_ints(size, 3): _optional_str(refusal) for size, refusal in entry["inputs"]}
         return _sketch(entry["sketch"]), refusals
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+    except (RefusedFile, OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
+
+
 
 
 def _sketch(data: dict) -> BackboneSketch:

@@ -141,25 +141,32 @@ def located(spec: Spec, error: SpecError) -> SpecError:
     return SpecError([spec_problem(spec, p.path, p.message) if p.file is None else p for p in error.problems])
 
 
-def previous_release_keys(path: str | Path) -> list[str]:
-    """The release 0.1 keys a spec file still writes on its surgery groups (`moe.0.top_k`, ...): what
-    `upgraded_spec_text` moves into the routers (`spec.compat`)."""
-    data, _ = read_document(path)
+def previous_release_keys(path: str | Path, text: str | None = None) -> list[str]:
+    """The release 0.1 keys a spec file (whose text is `text`, when the caller has read it) still writes on its
+    surgery groups (`moe.0.top_k`, ...): what `upgraded_spec_text` moves into the routers (`spec.compat`)."""
+    data = read_document(path)[0] if text is None else load_yaml(text, str(path))[0]
     groups = data.get("moe") if isinstance(data.get("moe"), list) else []
     return [f"moe.{index}.{key}" for index, group in enumerate(groups) if isinstance(group, dict)
             for key in MOVED_TO_ROUTER if key in group]
 
 
-def upgraded_spec_text(path: str | Path) -> str:
-    """The valid spec file `path` in the new form, its comments and layout kept (`moespec validate --fix`).
-    Checked: it loads to the same Spec as the file."""
-    text, file = read_spec_text(Path(path)), str(path)
-    spec = load_spec(path)
+def upgraded_spec_text(path: str | Path, text: str | None = None) -> str:
+    """The valid spec file `path` (whose text is `text`, when the caller has read it) in the new form, its
+    comments and layout kept (`moespec validate --fix`). Checked: it loads to the same Spec as the file. What
+    cannot be rewritten so is one error that names the file and the line, never a position in the rewrite."""
+    file = str(path)
+    text = read_spec_text(Path(path)) if text is None else text
+    spec = load_spec(path, text=text)
+    old_keys = ", ".join(previous_release_keys(path, text))
     try:
         new_text = upgraded_text(text)
+        same = load_spec(path, text=new_text).model_dump() == spec.model_dump()
+        reason = "" if same else "the rewritten file would give another spec"
     except CannotRewrite as error:
-        raise MoespecError(f"{file}: cannot move {', '.join(previous_release_keys(path))} into the router without "
-                           f"losing what the file says ({error}); move them into `router:` by hand") from None
-    if load_spec(path, text=new_text).model_dump() != spec.model_dump():  # a bug, never a user mistake
-        raise RuntimeError(f"{file}: the rewritten spec differs from the file; nothing was written")
+        reason = str(error)
+    except SpecError as error:
+        reason = f"the rewritten file would not validate: {error.problems[0].message}"
+    if reason:
+        raise MoespecError(f"{file}: cannot move {old_keys} into the router without losing what the file says "
+                           f"({reason}); move them into `router:` by hand. Nothing was written") from None
     return new_text

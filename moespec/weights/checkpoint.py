@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
+from typing import Iterable
 
 import torch
 import torch.distributed as dist
@@ -128,11 +129,36 @@ def _head(model: nn.Module) -> dict[str, object]:
     return {key: value for key, value in head.items() if isinstance(value, (int, str))}
 
 
-def _pooled(model: nn.Module, metadata: dict[str, str]) -> nn.Module:
-    """`model` with the pooling a checkpoint recorded (`POOL_KEY`) set as the saved model had it."""
+def _pooled(model: nn.Module, metadata: dict[str, str], path: str | Path) -> nn.Module:
+    """`model` with the pooling a checkpoint recorded (`POOL_KEY`) set as the saved model had it; a pooling the
+    model does not take is a CheckpointError."""
     if POOL_KEY in metadata:
-        model.reset_classifier(model.num_classes, global_pool=metadata[POOL_KEY])
+        pool = metadata[POOL_KEY]
+        try:
+            if not isinstance(pool, str) or len(pool) > 64:
+                raise ValueError("not a pooling name")
+            model.reset_classifier(model.num_classes, global_pool=pool)
+        except Exception as error:  # timm says so with ValueError, AssertionError, KeyError...
+            raise CheckpointError(f"{path}: its {POOL_KEY} {str(pool)[:64]!r} is not a pooling this model takes "
+                                  f"({type(error).__name__}: {str(error)[:100]}); the file was altered") from None
     return model
+
+
+def check_buffers(buffers: Iterable[tuple[str, torch.Tensor]], source: str) -> None:
+    """Refuse a model whose loaded buffers hold a NaN, or whose balancing biases (`expert_bias`) hold an
+    infinity (a value out of its dtype's range, such as 1e300 read into float32, becomes one); the biases are
+    checked first. A non-finite bias sends every token to the same experts, and `update_bias` would keep it
+    forever. Other buffers may be infinite: a bound (Gemma 4's clamps) is unbounded until a checkpoint sets
+    it, as the dense model's buffers may be (`dense.refuse_non_finite`). `buffers`: (name, tensor) as a model's
+    `named_buffers()` gives them. CheckpointError naming `source` and the tensor."""
+    for name, buffer in sorted(buffers, key=lambda item: not item[0].endswith("expert_bias")):
+        if not buffer.is_floating_point():
+            continue
+        bad = ~torch.isfinite(buffer) if name.endswith("expert_bias") else buffer.isnan()
+        if bool(bad.any()):
+            value = buffer[bad].flatten()[0].item()
+            raise CheckpointError(f"{source}: {name} holds {value} (a balancing bias is finite, and no buffer is "
+                                  f"NaN); the checkpoint was altered or saved from a diverged run; not loaded")
 
 
 def output_dtype(dtype: torch.dtype, target: torch.dtype | None) -> torch.dtype:
@@ -185,6 +211,7 @@ def load(path: str | Path, *, spec: Spec | str | Path | None = None, device: str
         state = read_state_dict(path, trust_pickle=trust_pickle, ema=ema)
         check_state_dict(state, model, f"{path}")
         model.load_state_dict(state)
+        check_buffers(model.named_buffers(), f"{path}")
         return model
     return _load_safetensors(path, spec, device)
 
@@ -203,8 +230,8 @@ def _load_safetensors(path: str | Path, spec: Spec | None, device: str | torch.d
                     wanted = spec or embedded_spec(path, checkpoint.metadata)
                     # the file's shapes, checked on a build that allocates nothing, before the real build
                     check_state_dict(checkpoint.shapes(), _pooled(create_model(wanted, device="meta"),
-                                                                  checkpoint.metadata), f"{path}")
-                    model = _pooled(create_model(wanted, device=device), checkpoint.metadata)
+                                                                  checkpoint.metadata, path), f"{path}")
+                    model = _pooled(create_model(wanted, device=device), checkpoint.metadata, path)
                     spec_hash = checkpoint.metadata.get(SPEC_HASH_KEY)
                     if checkpoint.opened is None:  # shards read by name: read them right after their index
                         continue
@@ -212,6 +239,7 @@ def _load_safetensors(path: str | Path, spec: Spec | None, device: str | torch.d
                     raise CheckpointError(f"{path}: rewritten with another spec while it was loaded; load it again")
                 check_state_dict(checkpoint.shapes(), model, f"{path}")
                 checkpoint.read_into(model.state_dict())
+                check_buffers(model.named_buffers(), f"{path}")
                 return model
         except CheckpointChanged:
             if attempts == READ_ATTEMPTS:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+
+import pytest
 import torch
 from timm.optim import create_optimizer_v2
 from timm.optim._param_groups import param_groups_layer_decay, param_groups_weight_decay
@@ -89,3 +92,31 @@ def test_an_experts_stacked_vectors_never_decay():
                                                           layer_decay=layer_decay))
         assert all(decay[name] == 0.0 for name in stacked)
         assert {decay[n] for n, p in model.named_parameters() if ".experts." in n and p.ndim == 3} == {0.1}
+
+
+@pytest.mark.parametrize("arguments, wrong", [
+    ({"weight_decay": float("nan")}, "weight_decay is nan"),
+    ({"weight_decay": -0.05}, "weight_decay is -0.05"),
+    ({"weight_decay": float("inf")}, "weight_decay is inf"),
+    ({"weight_decay": "0.05"}, "weight_decay is '0.05'"),
+    ({"weight_decay": True}, "weight_decay is True"),
+    ({"weight_decay": 0.05, "expert_weight_decay": float("nan")}, "expert_weight_decay is nan"),
+    ({"weight_decay": 0.05, "expert_weight_decay": -1}, "expert_weight_decay is -1"),
+    ({"weight_decay": 0.05, "layer_decay": 0.0}, "layer_decay is 0.0"),
+    ({"weight_decay": 0.05, "layer_decay": 1.5}, "layer_decay is 1.5"),
+    ({"weight_decay": 0.05, "layer_decay": float("nan")}, "layer_decay is nan"),
+])
+def test_decays_that_are_not_finite_numbers_in_range_are_refused(arguments, wrong):
+    """optimizer_groups took NaN, negative, infinite and string decays; one AdamW step then left non-finite
+    weights."""
+    model = moespec.create_model(make_spec(TINY_VIT, MOE))
+    with pytest.raises(moespec.MoespecError, match=rf"^optimizer_groups: {re.escape(wrong)}; allowed: "):
+        moespec.optimizer_groups(model, **arguments)
+
+
+def test_an_adamw_step_at_a_valid_decay_keeps_the_weights_finite():
+    model = moespec.create_model(make_spec(TINY_VIT, MOE))
+    optimizer = torch.optim.AdamW(moespec.optimizer_groups(model, 0.05, expert_weight_decay=0.0, layer_decay=1.0))
+    model(torch.randn(2, 3, 64, 64)).sum().backward()
+    optimizer.step()
+    assert all(torch.isfinite(p).all() for p in model.parameters())

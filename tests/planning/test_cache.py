@@ -162,3 +162,66 @@ def test_an_entry_that_is_not_a_regular_file_is_skipped(cache, tmp_path, planted
         pytest.fail("validate waited on the planted entry")
     assert (done.returncode, done.stderr) == (0, ""), done.stderr
     assert done.stdout == f"ok: {path} (vit_small_patch16_224, 2 MoE layers)\n"
+
+
+def _forged(cache: Path, spec, hidden: int) -> Path:
+    """The spec's entry, well-formed, with every FFN's hidden width set to `hidden`."""
+    plan(spec, cached=True)
+    (file,) = entries(cache)
+    entry = json.loads(file.read_text())
+    for ffn in entry["sketch"]["ffns"].values():
+        ffn["hidden"] = hidden
+    file.write_text(json.dumps(entry))
+    return file
+
+
+@pytest.mark.parametrize("how", ["another user's", "writable by others", "filed under another key"])
+def test_an_entry_that_is_not_ours_changes_nothing(cache, how, monkeypatch):
+    """A well-formed entry in a shared MOESPEC_CACHE_DIR made `plan` report hidden width 1024 for 256."""
+    import os
+
+    spec = make_spec(TINY_VIT, [{"where": {"every": 1}, "experts": 4}])
+    expected = plan(spec)
+    file = _forged(cache, spec, 1024)
+    if how == "another user's":
+        if os.geteuid() == 0:
+            os.chown(file, 4321, 4321)
+        else:
+            monkeypatch.setattr("moespec.files._this_user", lambda: os.geteuid() + 1)
+    elif how == "writable by others":
+        file.chmod(0o666)
+    else:
+        entry = json.loads(file.read_text())
+        entry["key"]["model"] = "another_model"
+        file.write_text(json.dumps(entry))
+    assert plan(spec, cached=True) == expected
+    monkeypatch.undo()
+    if how != "another user's":  # rewritten ours
+        assert plan(spec, cached=True) == expected and not file.stat().st_mode & 0o077
+
+
+def test_an_entry_of_ours_is_used_as_it_is(cache):
+    """The check above is on trust, not on the widths: our own entry is read without building the model."""
+    spec = make_spec(TINY_VIT, [{"where": {"every": 1}, "experts": 4}])
+    _forged(cache, spec, 1024)
+    assert plan(spec, cached=True).layers[0].expert_hidden == 1024
+
+
+def test_relative_cache_folders_make_nothing_in_the_working_folder(monkeypatch, tmp_path):
+    """A relative XDG_CACHE_HOME, or a `~` the shell left unexpanded in MOESPEC_CACHE_DIR, made folders in the
+    working folder."""
+    home = tmp_path / "home"
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "work").mkdir()
+    monkeypatch.chdir(tmp_path / "work")
+    monkeypatch.delenv("MOESPEC_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative/cache")
+    assert cache_folder() == home / ".cache" / "moespec"
+    monkeypatch.setenv("MOESPEC_CACHE_DIR", "~/moespec-cache")
+    assert cache_folder() == home / "moespec-cache"
+    plan(make_spec(TINY_VIT, [{"where": {"every": 1}, "experts": 4}]), cached=True)
+    assert (home / "moespec-cache" / "backbones").is_dir()
+    monkeypatch.setenv("MOESPEC_CACHE_DIR", "cache")
+    assert cache_folder() is None
+    assert list((tmp_path / "work").iterdir()) == []
