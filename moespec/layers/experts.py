@@ -5,10 +5,10 @@
 
 Weights are stacked (`fc1.weight: [E, H, C]`) and only ever used through batched ops (`ExpertLinear`,
 `SegmentGraphs`, in `expert_autograd.py`), whose backward writes one stacked gradient in the weights' layout
-(indexing `weight[e]` per expert would allocate a full-size gradient per expert). Three expert steps run the rows
-(sorted by expert, `counts[e]` rows for expert e), all the same function; `Experts.dispatch` forces one, and
-"auto" (the default) takes the one `dispatch.auto_step` picks for the device, dtype, sizes, counts and whether
-autograd records the forward:
+(indexing `weight[e]` per expert would allocate a full-size gradient per expert). The expert steps run the rows
+(sorted by expert, `counts[e]` rows for expert e), all the same function (their table: `steps.py`);
+`steps.set_expert_step` forces one, and "auto" (the default) takes the one `dispatch.auto_step` picks for the
+device, dtype, sizes, counts and whether autograd records the forward:
 
     grouped_mm  `F.grouped_mm` over the jagged segments, no host sync
     padded      rows scattered into [E, max count, C] and two `bmm`s
@@ -37,10 +37,10 @@ from .dispatch import auto_step, autocast_dtype, equal_segments_step, sync_free
 from .expert_autograd import CombinePairs, ExpertLinear, GatherPairs, SegmentGraphs, expert_segments
 from .fused import activation, fused_experts, unavailable
 from .routing import at_least_fp32, inverse_permutation
+from .steps import ChoosesStep
 
 GluOrder = Literal["act_first", "act_last"]  # act(a) * b (SwiGLU)  |  a * act(b) (timm GluMlp default)
 InnerNorm = Literal["none", "layernorm", "layernorm_before_act", "grn"]
-Dispatch = Literal["auto", "loop", "padded", "grouped_mm", "triton"]
 
 
 class StackedLinear(nn.Module):
@@ -79,7 +79,7 @@ class StackedNorm(nn.Module):
         nn.init.zeros_(self.bias)
 
 
-class Experts(nn.Module):
+class Experts(ChoosesStep, nn.Module):
     """E FFN experts applied to contiguous per-expert segments of routed items.
 
     Args:
@@ -119,6 +119,7 @@ class Experts(nn.Module):
         self.norm = StackedNorm(num_experts, hidden, norm_eps) if inner_norm != "none" else None
         self.fc2 = StackedLinear(num_experts, hidden, out_features, bias=bias[1])
         self.register_buffer("clamp", torch.empty(3, 4) if clamped else None)
+        self.step = "auto"  # the expert step: "auto" (the rule) or one forced by `steps.set_expert_step`
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -152,7 +153,7 @@ class Experts(nn.Module):
         return self.fc1.in_features * self.fc1.out_features + self.fc2.in_features * self.fc2.out_features + norm
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor, groups: torch.Tensor | None = None, *,
-                tail: bool = False) -> torch.Tensor:
+                tail: bool = False, step: str | None = None) -> torch.Tensor:
         """Run expert e on rows `x[offset_e : offset_e + counts[e]]`.
 
         Args:
@@ -161,10 +162,11 @@ class Experts(nn.Module):
             groups: [S] image index of each row; needed only by the "grn" inner norm.
             tail: rows past sum(counts) may follow (pairs a capacity dropped, kept by the sync-free routing
                 for static shapes); their outputs are 0.
+            step: the step `strategy` chose for these rows already (`combine`), or None to choose it here.
         Returns:
             [S, C'] expert outputs in the same order.
         """
-        return self._run(self.strategy(x, counts), x, counts, groups, tail)
+        return self._run(step or self.strategy(x, counts), x, counts, groups, tail)
 
     def _run(self, step: str, x: torch.Tensor, counts: torch.Tensor, groups: torch.Tensor | None,
              tail: bool = False) -> torch.Tensor:
@@ -183,22 +185,20 @@ class Experts(nn.Module):
                                          output_size=x.shape[0])  # expert of each row
         return self._padded(x, counts, expert)
 
-    dispatch: Dispatch = "auto"  # set on an instance (or the class) to force one expert step
-
     def strategy(self, x: torch.Tensor, counts: torch.Tensor) -> str:
-        """The expert step for rows `x` (`counts` per expert): `dispatch` unless "auto", else `auto_step`'s pick
+        """The expert step for rows `x` (`counts` per expert): `step` unless "auto", else `auto_step`'s pick
         for a forward that autograd records or not (GRN: the loop)."""
         return self._step(x.shape[0], x, counts)
 
     def _step(self, rows: int, like: torch.Tensor, counts: torch.Tensor) -> str:
         """`strategy` for `rows` rows of `like`'s dtype and device (`like` requiring grad or not)."""
-        if self.dispatch == "triton":
+        if self.step == "triton":
             self._check_fused(like)
             return "triton"
         if self.needs_groups:
             return "loop"
-        if self.dispatch != "auto":
-            return self.dispatch
+        if self.step != "auto":
+            return self.step
         return auto_step(rows, like.dtype, like.device, counts, self._aligned(like.element_size()),
                          backward=self._records_graph(like))
 
@@ -230,16 +230,16 @@ class Experts(nn.Module):
             return self._grouped_combine(items, rows, counts, weights, position, tail)
         if fusable and step == "triton":
             return self._fused(items, counts, weights, position)
-        if self._segmentwise(items, rows, counts):
+        if self._segmentwise(items, step):
             return self._loop_combine(items, rows, counts, weights, groups)
         # index_select, not items[rows]: 4x faster on CPU, and so is its backward
         out = self(items.index_select(0, rows), counts, groups.index_select(0, rows) if groups is not None else None,
-                   tail=tail)
+                   tail=tail, step=step if self.gathers_pairs else None)  # sharded: the local rows choose theirs
         return _scatter_weighted(out, rows, weights, items.shape[0])
 
-    def _segmentwise(self, items: torch.Tensor, rows: torch.Tensor, counts: torch.Tensor) -> bool:
+    def _segmentwise(self, items: torch.Tensor, step: str) -> bool:
         """Whether `combine` runs segment by segment: autograd records nothing and the loop is the step."""
-        return not self._records_graph(items) and self._step(rows.shape[0], items, counts) == "loop"
+        return not self._records_graph(items) and step == "loop"
 
     def _loop_combine(self, items: torch.Tensor, rows: torch.Tensor, counts: torch.Tensor, weights: torch.Tensor,
                       groups: torch.Tensor | None) -> torch.Tensor:
@@ -308,7 +308,7 @@ class Experts(nn.Module):
         if sync_free(x.device):  # no choice made on the sizes, no host sync
             return self._stacked(x)
         flat = x.reshape(experts * rows, dim)
-        step = self.dispatch
+        step = self.step
         if step == "auto":
             step = equal_segments_step(rows, x.device, backward=self._records_graph(flat))
         if step == "padded":
@@ -412,7 +412,7 @@ class Experts(nn.Module):
             reasons.append(f"the kernels have no dropout (drop={self.drop} while training)")
         reasons = [r for r in reasons if r is not None]
         if reasons:
-            raise RuntimeError("Experts.dispatch = 'triton' cannot run: " + "; ".join(reasons))
+            raise RuntimeError("the expert step 'triton' cannot run: " + "; ".join(reasons))
 
     def forward_all(self, x: torch.Tensor, groups: torch.Tensor | None = None) -> torch.Tensor:
         """Every expert on every row, summed: the always-active shared experts. x: [T, C] -> [T, C']."""
