@@ -109,10 +109,10 @@ class ExpertParallel(Experts):
         rows travel to other ranks, `forward`)."""
         return self.world == 1
 
-    def _segmentwise(self, items: torch.Tensor, step: str) -> bool:
+    def runs_segmentwise(self, items: torch.Tensor) -> bool:
         """Only on a world of one: elsewhere the rows are gathered and sent to the ranks that hold their experts
         (`forward`)."""
-        return self.world == 1 and super()._segmentwise(items, step)
+        return self.world == 1 and super().runs_segmentwise(items)
 
     def batched(self, x: torch.Tensor) -> torch.Tensor:
         """Expert e on every row of x[e], x [E, M, C] with the same M on every rank (Soft MoE's slots): even

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from moespec.layers import Experts, set_expert_step
-from moespec.layers.steps import available_steps
+from moespec.layers.steps import STEPS, available_steps
 
 STRUCTURES = {
     "plain": dict(),
@@ -158,18 +158,20 @@ def test_batched_runs_the_step_it_is_given_and_every_step_agrees(dispatch, monke
 
         ran = []
         set_expert_step(bank, dispatch)
-        for step in ("_loop", "_grouped", "_stacked"):
-            method = getattr(Experts, step)
-            monkeypatch.setattr(bank, step, lambda *a, m=method, s=step, b=bank, r=ran: r.append(s) or m(b, *a))
+        for name in ("loop", "grouped_mm"):  # the steps of the table, and padded's two bmm on x itself
+            step = STEPS[name]
+            monkeypatch.setattr(step, "run",
+                                lambda *a, f=type(step).run, o=step, s=name, r=ran: r.append(s) or f(o, *a))
+        monkeypatch.setattr(bank, "_stacked",
+                            lambda *a, f=Experts._stacked, b=bank, r=ran: r.append("padded") or f(b, *a))
         with torch.no_grad():
             y_plain = bank.batched(x)
         bank.zero_grad(set_to_none=True)
         x = x.requires_grad_()
         y = bank.batched(x)
         (y * grad).sum().backward()
-        forced = {"loop": "_loop", "grouped_mm": "_grouped", "padded": "_stacked"}
-        expected = [forced[dispatch]] * 2 if dispatch != "auto" else [
-            "_loop" if rows >= forward_from else "_stacked", "_loop" if rows >= backward_from else "_stacked"]
+        expected = [dispatch] * 2 if dispatch != "auto" else [
+            "loop" if rows >= forward_from else "padded", "loop" if rows >= backward_from else "padded"]
         assert ran == expected
         torch.testing.assert_close(y_plain, y_ref.detach(), atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(y, y_ref, atol=1e-5, rtol=1e-5)
@@ -257,7 +259,7 @@ def test_combine_segment_by_segment_equals_the_gathered_step_and_the_sum_by_hand
     weights = torch.rand(9)
     groups = torch.tensor([0, 0, 0, 1, 1, 1, 1]) if structure == "grn" else None
     with torch.no_grad():
-        assert bank._segmentwise(items, bank._step(rows.shape[0], items, counts))
+        assert bank._step(rows.shape[0], items, counts) == "loop" and bank.runs_segmentwise(items)
         segmentwise = bank.combine(items, rows, counts, weights, groups)
     gathered = bank.combine(items.requires_grad_(), rows, counts, weights, groups)
     assert gathered.requires_grad

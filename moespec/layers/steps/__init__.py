@@ -1,13 +1,15 @@
 """The expert steps, as one table, and the one way to force a step.
 
-    loop        each expert's whole FFN on its contiguous segment in turn (`Experts._loop`)
-    padded      rows scattered into [E, largest segment, C] and two `bmm`s (`Experts._padded`)
-    grouped_mm  `F.grouped_mm` over the jagged segments, no host sync (`grouped.py`, `Experts._grouped`)
-    triton      the fused Triton kernels, forced only (`fused.py`, `Experts._fused`)
+    loop        each expert's whole FFN on its contiguous segment in turn (loop.py)
+    padded      rows scattered into [E, largest segment, C] and two `bmm`s (padded.py)
+    grouped_mm  `F.grouped_mm` over the jagged segments, no host sync (grouped_mm.py)
+    triton      the fused Triton kernels, forced only (triton.py, over `layers/fused.py`)
 
-All compute the same function. Under "auto" (the default) `dispatch.auto_step` picks one for the device, dtype,
-widths, rows and whether autograd records; `Experts.strategy` asks it once per layer call and passes the step
-down. `set_expert_step(model, name)` forces every expert bank of a model to one step ("auto" restores the rule);
+Each step implements `base.ExpertStep` (what it cannot run, how it runs the sorted rows, whether it fuses the
+gather and the combine); a new step is one file and one line in `STEPS`. All compute the same function. Under
+"auto" (the default) `dispatch.auto_step` picks one for the device, dtype, widths, rows and whether autograd
+records; `Experts.strategy` asks it once per layer call and passes the step down. `set_expert_step(model,
+name)` forces every expert bank of a model to one step ("auto" restores the rule);
 `moespec.create_model(spec, expert_step=name)` builds a model so.
 """
 
@@ -18,9 +20,17 @@ import warnings
 import torch
 from torch import nn
 
-from .fused import unavailable
+from ..fused import unavailable
+from .base import ExpertStep
+from .grouped_mm import GroupedStep
+from .loop import LoopStep
+from .padded import PaddedStep
+from .triton import TritonStep
 
-EXPERT_STEPS: tuple[str, ...] = ("loop", "padded", "grouped_mm", "triton")
+STEPS: dict[str, ExpertStep] = {step.name: step for step in (LoopStep(), PaddedStep(), GroupedStep(), TritonStep())}
+"""The table: step name -> the step."""
+
+EXPERT_STEPS: tuple[str, ...] = tuple(STEPS)
 """Every step a bank can be forced to; "auto" besides them lets the rule pick."""
 
 
