@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from .compiler import create_model, moe_layers, plan_of
     from .counting import fvcore_handles, stats
     from .layers.moe import aux_loss, follow_grad_scaler, update_bias, update_bias_on_step
+    from .layers.steps import set_expert_step
     from .weights import load, save, upcycle, upcycle_to_checkpoint
 
 _LAZY = {
@@ -34,7 +35,7 @@ _LAZY = {
     "create_model": "compiler", "moe_layers": "compiler", "plan_of": "compiler",
     "fvcore_handles": "counting", "stats": "counting",
     "aux_loss": "layers.moe", "follow_grad_scaler": "layers.moe", "update_bias": "layers.moe",
-    "update_bias_on_step": "layers.moe", "load": "weights", "save": "weights",
+    "update_bias_on_step": "layers.moe", "set_expert_step": "layers.steps", "load": "weights", "save": "weights",
     "upcycle": "weights", "upcycle_to_checkpoint": "weights",
 }
 """Public name -> the subpackage (relative to moespec) that defines it."""
@@ -42,7 +43,7 @@ _LAZY = {
 __all__ = [
     "CheckpointError", "MoespecError", "Plan", "Spec", "SpecError", "aux_loss", "create_model", "follow_grad_scaler",
     "fvcore_handles", "load", "load_spec", "moe_layers", "optimizer_groups", "plan", "plan_of", "register_timm",
-    "save", "stats", "update_bias", "update_bias_on_step", "upcycle", "upcycle_to_checkpoint",
+    "save", "set_expert_step", "stats", "update_bias", "update_bias_on_step", "upcycle", "upcycle_to_checkpoint",
 ]
 
 

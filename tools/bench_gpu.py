@@ -35,7 +35,17 @@ from torch import nn
 
 import moespec
 from moespec.backbones import create_backbone
-from moespec.layers import ExpertChoiceRouter, Experts, ImageRouter, LinearGate, MoE, SoftMoE, TopKRouter, fused
+from moespec.layers import (
+    ExpertChoiceRouter,
+    Experts,
+    ImageRouter,
+    LinearGate,
+    MoE,
+    SoftMoE,
+    TopKRouter,
+    fused,
+    set_expert_step,
+)
 
 
 def _sync(device) -> None:
@@ -109,7 +119,7 @@ def _layer_setting(device, precision, family, experts, top_k, tokens, dim, hidde
     with autocast:
         outputs = {}
         for step in list(steps):
-            moe.experts.dispatch = step
+            set_expert_step(moe.experts, step)
             try:
                 with torch.no_grad():
                     outputs[step] = moe(x).float()
@@ -199,7 +209,7 @@ def _kinds(dim: int) -> dict:
 
 
 def _forced(layer: MoE, step: str) -> MoE:
-    layer.experts.dispatch = step
+    set_expert_step(layer.experts, step)
     return layer
 
 

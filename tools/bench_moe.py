@@ -1,7 +1,8 @@
 """Benchmark the MoE layer against a dense FFN of equal activated FLOPs, Soft MoE scaling, and whole models.
 
-    python tools/bench_moe.py [--quick] [--device cpu|cuda] [--dtype fp32|bf16] [--dispatch auto|loop|padded|grouped_mm]
-                              [--only layer|soft|model|groups|peers] [--peers] [--threads N] [--json out.json]
+    python tools/bench_moe.py [--quick] [--device cpu|cuda] [--dtype fp32|bf16]
+                              [--step auto|loop|padded|grouped_mm|triton] [--only layer|soft|model|groups|peers]
+                              [--peers] [--threads N] [--json out.json]
 
 1. Layer: top-k MoE (E experts of width 4d, top-k) vs a dense FFN of width k * 4d on the same T tokens,
    d = 384, measured interleaved in one process; median ms and the ratio MoE / dense, forward and
@@ -45,7 +46,8 @@ from timm.layers import Mlp
 from torch import nn
 
 import moespec
-from moespec.layers import ExpertChoiceRouter, Experts, LinearGate, MoE, SoftMoE, TopKRouter
+from moespec.layers import ExpertChoiceRouter, Experts, LinearGate, MoE, SoftMoE, TopKRouter, set_expert_step
+from moespec.layers.steps import EXPERT_STEPS
 
 PEER_LIBRARIES = ("torch", "transformers", "deepspeed", "torchtune", "soft-moe-pytorch")
 PEER_TOLERANCE = 1e-5  # max |output - reference| / max |reference|, fp32
@@ -77,7 +79,8 @@ def interleaved(fns: dict, repeats: int) -> dict[str, float]:
     return {name: statistics.median(values) for name, values in samples.items()}
 
 
-STEPS = ("loop", "padded", "grouped_mm")
+STEPS = ("loop", "padded", "grouped_mm")  # the CPU's steps of the table (`moespec.layers.steps`)
+FORCED_STEP = "auto"  # --step: the step of every layer outside the layer part, which times each
 
 
 def layer_bench(device, dtype, quick: bool) -> list[dict]:
@@ -137,13 +140,13 @@ def _layer_setting(experts: int, top_k: int, tokens: int, device, dtype, bandwid
 
     def fwd(step):
         def run():
-            bank.dispatch = step
+            set_expert_step(bank, step)
             return moe(x)
         return run
 
     def fwd_bwd(step):
         def run():
-            bank.dispatch = step
+            set_expert_step(bank, step)
             moe.zero_grad(set_to_none=True)  # as a training step's optimizer.zero_grad(): no accumulation pass
             x.grad = None
             moe(x).float().square().mean().backward()
@@ -161,7 +164,7 @@ def _layer_setting(experts: int, top_k: int, tokens: int, device, dtype, bandwid
         one_row = x.new_zeros(experts, 1, dim)
 
         def one_row_bmm():
-            bank.dispatch = "padded"  # equal segments, forced padded: the two bmm on one_row itself
+            set_expert_step(bank, "padded")  # equal segments, forced padded: the two bmm on one_row itself
             return bank.batched(one_row)
 
         fns["one_row"] = one_row_bmm
@@ -197,7 +200,7 @@ def _layer_setting(experts: int, top_k: int, tokens: int, device, dtype, bandwid
 
 def _picked(moe: MoE, x: torch.Tensor) -> str:
     """The step "auto" takes for this layer's routed rows, in the current grad mode."""
-    moe.experts.dispatch = "auto"
+    set_expert_step(moe.experts, "auto")
     with torch.no_grad():
         routing = moe.router(x.reshape(-1, x.shape[-1]), x.shape[0])
     rows = x.new_empty(routing.item.shape[0], x.shape[-1], requires_grad=torch.is_grad_enabled())
@@ -244,7 +247,8 @@ def soft_bench(device, dtype, quick: bool) -> list[dict]:
     series = [("fixed_slots", e, 196 // e) for e in ((4, 196) if quick else (4, 7, 14, 28, 49, 98, 196))]
     series += [("one_slot_per_expert", e, 1) for e in ((8, 128) if quick else (8, 64, 256, 1024))]
     for name, experts, per_expert in series:
-        layer = SoftMoE(Experts(experts, dim, 4 * dim, dim, act=nn.GELU()), per_expert).to(device, dtype)
+        layer = set_expert_step(SoftMoE(Experts(experts, dim, 4 * dim, dim, act=nn.GELU()), per_expert),
+                                FORCED_STEP).to(device, dtype)
         with torch.no_grad():
             ms = statistics.median(_time(lambda layer=layer: layer(x), 5 if experts > 256 else 10))
         first = next(r for r in rows + [{"series": name, "fwd_ms": ms}] if r["series"] == name)
@@ -260,7 +264,8 @@ def model_bench(device, dtype, quick: bool) -> list[dict]:
     batch = 8 if quick else 32
     for moe_name, dense_name in pairs:
         specs = {n: moespec.load_spec(f"specs/{n}.yaml") for n in (moe_name, dense_name)}
-        models = {n: moespec.create_model(s).to(device, dtype).eval() for n, s in specs.items()}
+        models = {n: moespec.create_model(s, expert_step=FORCED_STEP).to(device, dtype).eval()
+                  for n, s in specs.items()}
         gmacs = {n: moespec.stats(s).gmacs for n, s in specs.items()}
         x = torch.randn(batch, 3, 224, 224, device=device, dtype=dtype)
         with torch.no_grad():
@@ -291,7 +296,8 @@ def group_bench(device, dtype, quick: bool) -> list[dict]:
         layers = {}
         for label, group in (("image", 1), ("batch", None)):
             torch.manual_seed(0)
-            layers[label] = MoE(make(group), Experts(experts, dim, 4 * dim, dim, act=nn.GELU())).to(device, dtype)
+            layers[label] = set_expert_step(MoE(make(group), Experts(experts, dim, 4 * dim, dim, act=nn.GELU())),
+                                            FORCED_STEP).to(device, dtype)
             layers[label].eval()
         repeats = 5 if quick else 15
         with torch.no_grad():
@@ -420,7 +426,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a few settings only")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
-    parser.add_argument("--dispatch", default="auto", choices=["auto", "loop", "padded", "grouped_mm"],
+    parser.add_argument("--step", default="auto", choices=["auto", *EXPERT_STEPS],
                         help="force the experts' step outside the layer part, which times them all (default: "
                              "picked by device, dtype and size)")
     parser.add_argument("--json", help="also write the figures to this file")
@@ -433,8 +439,9 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     parts = (args.only or ([] if args.peers else ["layer", "soft", "model", "groups"])) + (["peers"] * args.peers)
-    Experts.dispatch = args.dispatch
-    results = {"device": args.device, "dtype": args.dtype, "dispatch": args.dispatch,
+    global FORCED_STEP
+    FORCED_STEP = args.step
+    results = {"device": args.device, "dtype": args.dtype, "step": args.step,
                "threads": torch.get_num_threads()}
     for part, fn in (("layer", layer_bench), ("soft", soft_bench), ("model", model_bench), ("groups", group_bench),
                      ("peers", peer_bench)):

@@ -20,7 +20,7 @@ import torch
 from bench_moe import STEPS, interleaved  # tools/bench_moe.py, beside this script
 from torch import nn
 
-from moespec.layers import Experts
+from moespec.layers import Experts, set_expert_step
 
 DIM = 384
 
@@ -44,20 +44,20 @@ def setting(bank: Experts, counts: torch.Tensor, repeats: int) -> dict:
 
     def forward(step):
         def run():
-            bank.dispatch = step
+            set_expert_step(bank, step)
             with torch.no_grad():
                 bank(x, counts)
         return run
 
     def forward_backward(step):
         def run():
-            bank.dispatch = step
+            set_expert_step(bank, step)
             bank.zero_grad(set_to_none=True)
             x.grad = None
             bank(x, counts).square().mean().backward()
         return run
 
-    bank.dispatch = "auto"
+    set_expert_step(bank, "auto")
     with torch.no_grad():
         pick_fwd = bank.strategy(x, counts)
     pick_fwdbwd = bank.strategy(x, counts)
@@ -68,7 +68,7 @@ def setting(bank: Experts, counts: torch.Tensor, repeats: int) -> dict:
         row[label] = times
         row[f"{label}_auto"] = pick
         row[f"{label}_auto_vs_best"] = times[pick] / min(times.values())
-    bank.dispatch = "auto"
+    set_expert_step(bank, "auto")
     return row
 
 

@@ -28,6 +28,7 @@ from moespec.layers import fused  # noqa: E402
 from moespec.layers.experts import Experts  # noqa: E402
 from moespec.layers.moe import MoE  # noqa: E402
 from moespec.layers.routers import LinearGate, TopKRouter  # noqa: E402
+from moespec.layers.steps import set_expert_step  # noqa: E402
 
 KERNELS = ("fc1", "fc2", "fc2_backward", "fc1_backward")
 CANDIDATES = [  # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, GROUP_M)
@@ -105,7 +106,7 @@ def agreement(experts: int, top_k: int, capacity=None, dim=768, hidden=3072, tok
     upstream = torch.randn(x.shape, device="cuda")
     results = {}
     for step in ("grouped_mm", "triton"):
-        moe.experts.dispatch = step
+        set_expert_step(moe.experts, step)
         results[step] = train_step(moe, x, upstream)
     names = ["y", "x"] + [n for n, _ in moe.named_parameters()]
     got = [results["triton"][0]] + results["triton"][1]
@@ -145,7 +146,7 @@ def main() -> None:
     best: dict[tuple, dict[str, float]] = {}
     for experts in args.experts:
         moe = layer(experts, args.top_k, dim, hidden).cuda().to(torch.bfloat16).train()
-        moe.experts.dispatch = "triton"
+        set_expert_step(moe.experts, "triton")
         x = torch.randn(args.tokens // 197, 197, dim, device="cuda", dtype=torch.bfloat16)
         upstream = torch.randn(x.shape, device="cuda")
         print(f"\nE={experts} k={args.top_k} T={args.tokens} d={dim} h={hidden} bf16: median ms (TFLOP/s) per launch")

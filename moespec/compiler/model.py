@@ -23,7 +23,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..backbones import create_backbone, refuse_if_too_large, resolve_device
 from ..errors import MoespecError, SpecError
-from ..layers import BalancingBias, Experts, MoELayer
+from ..layers import BalancingBias, Experts, MoELayer, set_expert_step
+from ..layers.steps import check_step
 from ..planning import Plan, plan_for
 from ..spec import Spec, located
 from .passes import copy_along, replace_ffns, replace_untraced, rescale_blocks
@@ -102,7 +103,7 @@ def plan_of(model: nn.Module) -> Plan:
 
 
 def create_model(spec: Spec, *, device: str | torch.device = "cpu", seed: int | None = None,
-                 moe_device: str | torch.device | None = None) -> nn.Module:
+                 moe_device: str | torch.device | None = None, expert_step: str = "auto") -> nn.Module:
     """The MoE model of `spec`, randomly initialized (timm's init for the backbone), in training mode like a
     fresh timm model, with every parameter and buffer on `device` ("cpu", "cuda", "cuda:N", "meta", ...).
 
@@ -112,7 +113,11 @@ def create_model(spec: Spec, *, device: str | torch.device = "cpu", seed: int | 
 
     Before allocating anything, the model is built on the meta device and counted: one whose parameters and
     buffers would not fit in the device's memory is refused (`check_fits_in_memory`).
+
+    `expert_step` forces every MoE layer's expert step (`layers.steps`: loop, padded, grouped_mm, triton);
+    "auto" lets the rule pick per call. `moespec.set_expert_step(model, name)` changes it later.
     """
+    check_step(expert_step)
     device = resolve_device(device)
     moe_device = resolve_device(moe_device) if moe_device is not None else None
     if device.type != "meta" and moe_device is None:
@@ -128,7 +133,7 @@ def create_model(spec: Spec, *, device: str | torch.device = "cpu", seed: int | 
             plan = plan_for(spec, backbone)
         model = compile_model(backbone, plan, moe_device=moe_device, inplace=True)
     model.moespec_spec = spec
-    return model.train()
+    return set_expert_step(model, expert_step).train()
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,8 @@ from .rescale import Rescale, RescaledBlock, rescaled
 from .routers import BalancingBias, ExpertChoiceRouter, ImageRouter, LinearGate, ProjectedGate, TopKRouter
 from .routing import AUX_LOSSES, Routing, register_aux_loss
 from .soft import SoftMoE
+from .steps import EXPERT_STEPS, set_expert_step
 
-__all__ = ["AUX_LOSSES", "BalancingBias", "ExpertChoiceRouter", "Experts", "ImageRouter", "LinearGate", "MoE",
-           "MoELayer", "ProjectedGate", "Rescale", "RescaledBlock", "Router", "Routing", "SoftMoE", "StackedLinear",
-           "StackedNorm", "TopKRouter", "register_aux_loss", "rescaled"]
+__all__ = ["AUX_LOSSES", "EXPERT_STEPS", "BalancingBias", "ExpertChoiceRouter", "Experts", "ImageRouter", "LinearGate",
+           "MoE", "MoELayer", "ProjectedGate", "Rescale", "RescaledBlock", "Router", "Routing", "SoftMoE",
+           "StackedLinear", "StackedNorm", "TopKRouter", "register_aux_loss", "rescaled", "set_expert_step"]

@@ -1,9 +1,9 @@
-"""Which expert step `Experts` runs under `dispatch="auto"`: a fixed rule per device, fitted on the benchmark.
+"""Which expert step `Experts` runs under "auto" (`steps.py`): a fixed rule per device, fitted on the benchmark.
 
     grouped_mm  one kernel over the jagged per-expert segments (`F.grouped_mm`, no host sync)
     padded      rows scattered into [E, max count, C] and two batched matmuls
     loop        one dense matmul per expert segment
-    triton      (forced only, `Experts.dispatch = "triton"`; never picked here) the fused Triton kernels of
+    triton      (forced only, `set_expert_step(model, "triton")`; never picked here) the fused Triton kernels of
                 `fused.py`: on an H200 faster than grouped_mm in some forwards at T = 12608 and slower in every
                 forward+backward (docs/gpu.md), so not yet a default
 

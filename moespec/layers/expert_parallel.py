@@ -58,19 +58,19 @@ class ExpertParallel(Experts):
             setattr(shard.get_submodule(module), attr, nn.Parameter(piece, requires_grad=source.requires_grad))
         for name, buffer in bank.named_buffers():  # the same for every expert: whole on every rank
             shard.get_submodule(name.rpartition(".")[0]).register_buffer(name.rpartition(".")[2], buffer.clone())
-        if "dispatch" in vars(bank):
-            shard.dispatch = bank.dispatch
+        shard.step = bank.step
         shard.num_experts, shard.first, shard.group, shard.world, shard.rank = bank.num_experts, first, group, \
             world, rank
         return shard
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor, groups: torch.Tensor | None = None, *,
-                tail: bool = False) -> torch.Tensor:
+                tail: bool = False, step: str | None = None) -> torch.Tensor:
         """Rows `x` [S, C] sorted by global expert, `counts` [E]; returns their expert outputs [S, C'] in the
-        same order, computed on the ranks that hold the experts (0 for the `tail` rows past sum(counts))."""
+        same order, computed on the ranks that hold the experts (0 for the `tail` rows past sum(counts)). `step`
+        (chosen for these rows) applies on a world of one; elsewhere the received rows choose their own."""
         world, local = self.world, self.local_experts
         if world == 1:  # nothing to exchange: the bank itself, without the exchange's host sync
-            return super().forward(x, counts, groups, tail=tail)
+            return super().forward(x, counts, groups, tail=tail, step=step)
         received = torch.empty_like(counts)
         dist.all_to_all_single(received, counts, group=self.group)  # [W * L]: from each rank, per local expert
         # the layer's one host sync: the split sizes must be on the host to size the receive buffers
@@ -109,10 +109,10 @@ class ExpertParallel(Experts):
         rows travel to other ranks, `forward`)."""
         return self.world == 1
 
-    def _segmentwise(self, items: torch.Tensor, rows: torch.Tensor, counts: torch.Tensor) -> bool:
+    def runs_segmentwise(self, items: torch.Tensor) -> bool:
         """Only on a world of one: elsewhere the rows are gathered and sent to the ranks that hold their experts
         (`forward`)."""
-        return self.world == 1 and super()._segmentwise(items, rows, counts)
+        return self.world == 1 and super().runs_segmentwise(items)
 
     def batched(self, x: torch.Tensor) -> torch.Tensor:
         """Expert e on every row of x[e], x [E, M, C] with the same M on every rank (Soft MoE's slots): even

@@ -5,10 +5,10 @@
 
 Weights are stacked (`fc1.weight: [E, H, C]`) and only ever used through batched ops (`ExpertLinear`,
 `SegmentGraphs`, in `expert_autograd.py`), whose backward writes one stacked gradient in the weights' layout
-(indexing `weight[e]` per expert would allocate a full-size gradient per expert). Three expert steps run the rows
-(sorted by expert, `counts[e]` rows for expert e), all the same function; `Experts.dispatch` forces one, and
-"auto" (the default) takes the one `dispatch.auto_step` picks for the device, dtype, sizes, counts and whether
-autograd records the forward:
+(indexing `weight[e]` per expert would allocate a full-size gradient per expert). The expert steps run the rows
+(sorted by expert, `counts[e]` rows for expert e), all the same function (their table: `steps.py`);
+`steps.set_expert_step` forces one, and "auto" (the default) takes the one `dispatch.auto_step` picks for the
+device, dtype, sizes, counts and whether autograd records the forward:
 
     grouped_mm  `F.grouped_mm` over the jagged segments, no host sync
     padded      rows scattered into [E, max count, C] and two `bmm`s
@@ -33,14 +33,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .dispatch import auto_step, autocast_dtype, equal_segments_step, sync_free
-from .expert_autograd import CombinePairs, ExpertLinear, GatherPairs, SegmentGraphs, expert_segments
-from .fused import activation, fused_experts, unavailable
-from .routing import at_least_fp32, inverse_permutation
+from .dispatch import auto_step, equal_segments_step, sync_free
+from .expert_autograd import ExpertLinear
+from .routing import at_least_fp32
+from .steps import STEPS, ChoosesStep
+from .steps.base import scatter_weighted
 
 GluOrder = Literal["act_first", "act_last"]  # act(a) * b (SwiGLU)  |  a * act(b) (timm GluMlp default)
 InnerNorm = Literal["none", "layernorm", "layernorm_before_act", "grn"]
-Dispatch = Literal["auto", "loop", "padded", "grouped_mm", "triton"]
 
 
 class StackedLinear(nn.Module):
@@ -79,7 +79,7 @@ class StackedNorm(nn.Module):
         nn.init.zeros_(self.bias)
 
 
-class Experts(nn.Module):
+class Experts(ChoosesStep, nn.Module):
     """E FFN experts applied to contiguous per-expert segments of routed items.
 
     Args:
@@ -119,6 +119,7 @@ class Experts(nn.Module):
         self.norm = StackedNorm(num_experts, hidden, norm_eps) if inner_norm != "none" else None
         self.fc2 = StackedLinear(num_experts, hidden, out_features, bias=bias[1])
         self.register_buffer("clamp", torch.empty(3, 4) if clamped else None)
+        self.step = "auto"  # the expert step: "auto" (the rule) or one forced by `steps.set_expert_step`
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -152,7 +153,7 @@ class Experts(nn.Module):
         return self.fc1.in_features * self.fc1.out_features + self.fc2.in_features * self.fc2.out_features + norm
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor, groups: torch.Tensor | None = None, *,
-                tail: bool = False) -> torch.Tensor:
+                tail: bool = False, step: str | None = None) -> torch.Tensor:
         """Run expert e on rows `x[offset_e : offset_e + counts[e]]`.
 
         Args:
@@ -161,44 +162,39 @@ class Experts(nn.Module):
             groups: [S] image index of each row; needed only by the "grn" inner norm.
             tail: rows past sum(counts) may follow (pairs a capacity dropped, kept by the sync-free routing
                 for static shapes); their outputs are 0.
+            step: the step `strategy` chose for these rows already (`combine`), or None to choose it here.
         Returns:
             [S, C'] expert outputs in the same order.
         """
-        return self._run(self.strategy(x, counts), x, counts, groups, tail)
+        return self._run(step or self.strategy(x, counts), x, counts, groups, tail)
 
     def _run(self, step: str, x: torch.Tensor, counts: torch.Tensor, groups: torch.Tensor | None,
              tail: bool = False) -> torch.Tensor:
-        """Rows x [S, C] sorted by expert through `step`."""
-        if step == "grouped_mm":
-            return self._grouped(x, counts, tail)
-        if step == "triton":
-            return self._fused(x, counts)
-        if tail:  # the other steps read the counts on the host anyway: run the segments' rows, pad with 0
-            kept = int(counts.sum())
-            out = self._run(step, x[:kept], counts, groups[:kept] if groups is not None else None)
+        """Rows x [S, C] sorted by expert through the step `step` of the table (`steps.STEPS`)."""
+        runner = STEPS[step]
+        if tail and not runner.static_tail:  # the step reads the counts on the host anyway: run the segments'
+            kept = int(counts.sum())  # rows, pad with 0
+            out = runner.run(self, x[:kept], counts, groups[:kept] if groups is not None else None, False)
             return torch.cat([out, out.new_zeros(x.shape[0] - kept, out.shape[-1])])
-        if step == "loop":
-            return self._loop(x, counts, groups)
-        expert = torch.repeat_interleave(torch.arange(self.local_experts, device=x.device), counts,
-                                         output_size=x.shape[0])  # expert of each row
-        return self._padded(x, counts, expert)
-
-    dispatch: Dispatch = "auto"  # set on an instance (or the class) to force one expert step
+        return runner.run(self, x, counts, groups, tail)
 
     def strategy(self, x: torch.Tensor, counts: torch.Tensor) -> str:
-        """The expert step for rows `x` (`counts` per expert): `dispatch` unless "auto", else `auto_step`'s pick
+        """The expert step for rows `x` (`counts` per expert): `step` unless "auto", else `auto_step`'s pick
         for a forward that autograd records or not (GRN: the loop)."""
         return self._step(x.shape[0], x, counts)
 
     def _step(self, rows: int, like: torch.Tensor, counts: torch.Tensor) -> str:
         """`strategy` for `rows` rows of `like`'s dtype and device (`like` requiring grad or not)."""
-        if self.dispatch == "triton":
-            self._check_fused(like)
+        if self.step != "auto":
+            why = STEPS[self.step].unavailable(self, like)
+            if why is not None:
+                raise RuntimeError(f"the expert step {self.step!r} cannot run: {why}")
+        if self.step == "triton":
             return "triton"
         if self.needs_groups:
             return "loop"
-        if self.dispatch != "auto":
-            return self.dispatch
+        if self.step != "auto":
+            return self.step
         return auto_step(rows, like.dtype, like.device, counts, self._aligned(like.element_size()),
                          backward=self._records_graph(like))
 
@@ -218,46 +214,31 @@ class Experts(nn.Module):
         Returns:
             [T, C'].
 
-        On the sync-free path with `position`, the grouped (or forced triton) step with its gather and combine
-        fused (`_grouped_combine`, `_fused`). Where autograd records nothing and the loop step runs, each
-        expert's segment is gathered, run, scaled and added into y in turn, while it is in cache
-        (`_loop_combine`); otherwise the step runs on every gathered row, and the outputs are scaled and
-        scattered back.
+        The step is chosen once, here, and its own `combine` runs where it has one: on the sync-free path with
+        `position`, the grouped (or forced triton) step with its gather and combine fused; where autograd records
+        nothing, the loop, each expert's segment gathered, run, scaled and added into y in turn while it is in
+        cache. Otherwise the step runs on every gathered row, and the outputs are scaled and scattered back.
         """
-        fusable = position is not None and self.gathers_pairs and not self.needs_groups and self.clamp is None
         step = self._step(rows.shape[0], items, counts)
-        if fusable and step == "grouped_mm":
-            return self._grouped_combine(items, rows, counts, weights, position, tail)
-        if fusable and step == "triton":
-            return self._fused(items, counts, weights, position)
-        if self._segmentwise(items, rows, counts):
-            return self._loop_combine(items, rows, counts, weights, groups)
+        fused = STEPS[step].combine(self, items, rows, counts, weights, groups, position, tail)
+        if fused is not None:
+            return fused
         # index_select, not items[rows]: 4x faster on CPU, and so is its backward
         out = self(items.index_select(0, rows), counts, groups.index_select(0, rows) if groups is not None else None,
-                   tail=tail)
-        return _scatter_weighted(out, rows, weights, items.shape[0])
+                   tail=tail, step=step if self.gathers_pairs else None)  # sharded: the local rows choose theirs
+        return scatter_weighted(out, rows, weights, items.shape[0])
 
-    def _segmentwise(self, items: torch.Tensor, rows: torch.Tensor, counts: torch.Tensor) -> bool:
-        """Whether `combine` runs segment by segment: autograd records nothing and the loop is the step."""
-        return not self._records_graph(items) and self._step(rows.shape[0], items, counts) == "loop"
+    def runs_segmentwise(self, items: torch.Tensor) -> bool:
+        """Whether the loop may combine segment by segment (`steps.loop`): autograd records nothing (and, for a
+        sharded bank, it holds every expert)."""
+        return not self._records_graph(items)
 
-    def _loop_combine(self, items: torch.Tensor, rows: torch.Tensor, counts: torch.Tensor, weights: torch.Tensor,
-                      groups: torch.Tensor | None) -> torch.Tensor:
-        """`combine` without autograd, one expert segment at a time: no [P, C] gathered rows or outputs, and no
-        pass over them to scale and scatter (as transformers' eager Mixtral block does it)."""
-        params = [self._unbind(p) for p in self._param_list()]
-        y = None
-        for e, segment in expert_segments(counts.tolist()):
-            index = rows[segment]
-            out = self._expert(items.index_select(0, index), [p[e] if p is not None else None for p in params],
-                               groups.index_select(0, index) if groups is not None else None)
-            out = _scaled(out, weights[segment].unsqueeze(-1))
-            if y is None:
-                y = out.new_zeros(items.shape[0], out.shape[-1])
-            y.index_add_(0, index, out)
-        if y is None:  # no pair: the empty outputs' dtype, as the other steps give it
-            return _scatter_weighted(items.new_empty(0, self.out_features), rows, weights, items.shape[0])
-        return y
+    gathers_pairs = True  # the grouped and triton steps may gather and combine the pairs themselves (not sharded)
+
+    def fuses_pairs(self, position: torch.Tensor | None) -> bool:
+        """Whether a step may fuse the gather and the combine around its matmuls: each item's k pairs are known
+        (`position`), the bank holds its experts, and no step of the FFN needs the images or clamps."""
+        return position is not None and self.gathers_pairs and not self.needs_groups and self.clamp is None
 
     def _records_graph(self, x: torch.Tensor) -> bool:
         """Whether autograd records this forward (a backward may follow): grad mode on, and x or a weight
@@ -272,29 +253,6 @@ class Experts(nn.Module):
         widths = (self.in_features, self.fc1.out_features, self.hidden, self.out_features)
         return all(width * element_size % 16 == 0 for width in widths)
 
-    def _loop(self, x: torch.Tensor, counts: torch.Tensor, groups: torch.Tensor | None) -> torch.Tensor:
-        """Each expert's whole FFN on its own segment in turn (one host sync for the counts): its hidden
-        activations ([rows, H], a few MB) stay in cache from fc1 to fc2 instead of [S, H] tensors going through
-        memory between every op. Under autograd each segment is a small graph of its own (`SegmentGraphs`).
-        GRN normalizes over each image's rows within a segment, which are one expert's."""
-        segments = counts.tolist()
-        if self._records_graph(x):
-            return SegmentGraphs.apply(x, self, segments, groups, *self._param_list())
-        params = [self._unbind(p) for p in self._param_list()]
-        out = x.new_empty(x.shape[0], self.out_features)
-        for e, rows in expert_segments(segments):
-            one = [p[e] if p is not None else None for p in params]
-            out[rows] = self._expert(x[rows], one, groups[rows] if groups is not None else None)
-        return out
-
-    def _padded(self, x: torch.Tensor, counts: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
-        """Rows scattered into a zero-padded [E, M, C] batch (M = the largest segment), batched expert, gathered
-        back. Padding rows get zero gradient: their outputs are never gathered."""
-        slot = torch.arange(x.shape[0], device=x.device) - (torch.cumsum(counts, 0) - counts)[expert]
-        width = int(counts.max()) if x.shape[0] else 0
-        padded = x.new_zeros(self.local_experts, width, x.shape[1]).index_put((expert, slot), x)
-        return self._stacked(padded)[expert, slot]
-
     def batched(self, x: torch.Tensor) -> torch.Tensor:
         """Expert e on every row of x[e]: x [E, M, C] -> [E, M, C'] (Soft MoE's slots; not for GRN experts)."""
         return self._equal_segments(x)
@@ -308,7 +266,7 @@ class Experts(nn.Module):
         if sync_free(x.device):  # no choice made on the sizes, no host sync
             return self._stacked(x)
         flat = x.reshape(experts * rows, dim)
-        step = self.dispatch
+        step = self.step
         if step == "auto":
             step = equal_segments_step(rows, x.device, backward=self._records_graph(flat))
         if step == "padded":
@@ -321,98 +279,6 @@ class Experts(nn.Module):
         w1, b1, norm_w, norm_b, w2, b2 = self._param_list()
         norm = [p.unsqueeze(1) if p is not None else None for p in (norm_w, norm_b)]  # [E, 1, H]: per row
         return self._expert(x, [w1, b1, *norm, w2, b2], None)
-
-    def _grouped(self, x: torch.Tensor, counts: torch.Tensor, tail: bool) -> torch.Tensor:
-        """Grouped matmuls over the jagged segments (`grouped.segment_mm`): static shapes, and the offsets stay
-        on the device (no host sync). Under autocast the rows and weights go in autocast's dtype, as they would
-        through `F.linear` (autocast does not cast a custom op's inputs)."""
-        offsets, expert = self._segments(counts, x.shape[0], tail)
-        w1, b1, norm_w, norm_b, w2, b2 = self._param_list()
-        cast = autocast_dtype(x.device)
-        if cast is not None:
-            x, w1, b1, w2, b2 = [None if t is None else t.to(cast) for t in (x, w1, b1, w2, b2)]
-        return self._expert(x, [w1, b1, *self._rowwise(norm_w, norm_b, expert, tail), w2, b2], None,
-                            linear=self._segment_linear(offsets, expert, tail))
-
-    def _segments(self, counts: torch.Tensor, rows: int, tail: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """The int32 segment ends [E] and the expert of each of `rows` rows [S] (E for a tail row)."""
-        offsets = torch.cumsum(counts, 0).to(torch.int32)
-        if tail:
-            return offsets, torch.bucketize(torch.arange(rows, device=counts.device), offsets, right=True)
-        return offsets, torch.repeat_interleave(torch.arange(self.local_experts, device=counts.device), counts,
-                                                output_size=rows)
-
-    @staticmethod
-    def _rowwise(norm_w: torch.Tensor | None, norm_b: torch.Tensor | None, expert: torch.Tensor,
-                 tail: bool) -> list[torch.Tensor | None]:
-        """The inner norm's parameters of each row's expert; a tail row's (expert E) are 0."""
-        return [None if p is None else (F.pad(p, (0, 0, 0, 1)) if tail else p).index_select(0, expert)
-                for p in (norm_w, norm_b)]
-
-    @staticmethod
-    def _segment_linear(offsets: torch.Tensor, expert: torch.Tensor, tail: bool):
-        def linear(h, weight, bias):
-            return ExpertLinear.apply(h.to(weight.dtype), weight, bias, offsets, expert, tail)
-
-        return linear
-
-    gathers_pairs = True  # `combine` may gather and combine around the grouped step itself (not when sharded)
-
-    def _grouped_combine(self, items: torch.Tensor, rows: torch.Tensor, counts: torch.Tensor,
-                         weights: torch.Tensor, position: torch.Tensor, tail: bool) -> torch.Tensor:
-        """`combine` on the sync-free path, when each item has k pairs (`position` [T, k]): its passes over
-        the rows are the gather, the two grouped matmuls, the activation and the combine. fc1's bias rides
-        as one more input column (items [T, C | 1 0..], weights [E, H, C | bias 0..], padded to 16 bytes), so
-        that no [P, H] tensor of biases is gathered and added; fc2's bias is folded into the combine
-        (`CombinePairs`; not under output dropout, which it precedes). The gather and the combine go back by
-        gathers (`GatherPairs`, `CombinePairs`), not atomic scatter-adds."""
-        offsets, expert = self._segments(counts, rows.shape[0], tail)
-        w1, b1, norm_w, norm_b, w2, b2 = self._param_list()
-        dtype = autocast_dtype(items.device) or w1.dtype
-        if b1 is not None:
-            items, w1 = _with_bias_column(items, w1, b1, dtype)
-        else:
-            items, w1 = items.to(dtype), w1.to(dtype)
-        fold = b2 is not None and not (self.training and self.drop[1] > 0)
-        w2, b2 = w2.to(dtype), None if b2 is None else b2.to(dtype)
-        x = GatherPairs.apply(items, rows, position)
-        out = self._expert(x, [w1, None, *self._rowwise(norm_w, norm_b, expert, tail), w2, None if fold else b2],
-                           None, linear=self._segment_linear(offsets, expert, tail))
-        tokens, k = position.shape
-        flat = position.reshape(-1)
-        choice_weights = weights.index_select(0, flat).view(tokens, k)
-        choice_experts = expert.clamp(max=self.local_experts - 1).index_select(0, flat).view(tokens, k)
-        order = inverse_permutation(flat)  # sorted row -> t * k + j
-        return CombinePairs.apply(out, choice_weights, position, order, choice_experts, b2 if fold else None)
-
-    def _fused(self, items: torch.Tensor, counts: torch.Tensor, weights: torch.Tensor | None = None,
-               position: torch.Tensor | None = None) -> torch.Tensor:
-        """The triton step (`fused.fused_experts`) on rows sorted by expert: items [S, C] -> [S, C']; with the
-        pairs' `weights` [P] and `position` [T, k] (`combine`), on the items [T, C] themselves -> [T, C'], the
-        gather in fc1's loads and the gates in fc2's epilogue. Rows past sum(counts) (the tail) give 0. Under
-        autocast, in autocast's dtype."""
-        w1, b1, _, _, w2, b2 = self._param_list()
-        order = None if position is None else inverse_permutation(position.reshape(-1))  # sorted row -> t * k + j
-        return fused_experts(items, torch.cumsum(counts, 0).to(torch.int32), w1, b1, w2, b2,
-                                   act=activation(self.act), glu=self.glu, order=order,
-                                   top_k=1 if position is None else position.shape[1], gates=weights,
-                                   dtype=autocast_dtype(items.device) or w1.dtype)
-
-    def _check_fused(self, like: torch.Tensor) -> None:
-        """Raise, saying why, where the forced triton step cannot run these experts on `like`'s device."""
-        dtype = autocast_dtype(like.device) or self.fc1.weight.dtype
-        reasons = [unavailable(like.device, dtype)]
-        if activation(self.act) is None:
-            reasons.append(f"the kernels take GELU (exact) or SiLU, not {self.act}")
-        if self.inner_norm != "none":
-            reasons.append(f"the kernels have no inner norm ({self.inner_norm})")
-        if self.clamp is not None:
-            reasons.append("the kernels do not clamp the projections (`clamp`)")
-        if self.training and any(p > 0 for p in self.drop):
-            reasons.append(f"the kernels have no dropout (drop={self.drop} while training)")
-        reasons = [r for r in reasons if r is not None]
-        if reasons:
-            raise RuntimeError("Experts.dispatch = 'triton' cannot run: " + "; ".join(reasons))
 
     def forward_all(self, x: torch.Tensor, groups: torch.Tensor | None = None) -> torch.Tensor:
         """Every expert on every row, summed: the always-active shared experts. x: [T, C] -> [T, C']."""
@@ -476,33 +342,6 @@ def _clamped_linear(linear, x: torch.Tensor, weight: torch.Tensor, bias: torch.T
                     bounds: torch.Tensor) -> torch.Tensor:
     """`linear` with its input clamped to bounds[0:2] and its output to bounds[2:4] (`Experts.clamp`)."""
     return linear(x.clamp(bounds[0], bounds[1]), weight, bias).clamp(bounds[2], bounds[3])
-
-
-def _with_bias_column(items: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
-                      dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """items [T, C] and weight [E, H, C], bias [E, H] as [T, C + n] = [items | 1 1 ..] and [E, H, C + n] =
-    [weight | bias 0 ..] in `dtype` (n: 16 bytes of it), so that x @ w.T is items @ weight.T + bias. The items
-    are cast and copied in one pass."""
-    extra = max(1, 16 // dtype.itemsize)
-    width = items.shape[-1]
-    augmented = items.new_ones(items.shape[0], width + extra, dtype=dtype)
-    augmented[:, :width] = items
-    columns = [weight.to(dtype), bias.to(dtype).unsqueeze(-1), weight.new_zeros(*weight.shape[:2], extra - 1,
-                                                                               dtype=dtype)]
-    return augmented, torch.cat(columns, dim=-1)
-
-
-def _scaled(out: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """out * weights, in place when autograd does not need `out` and the product keeps its dtype (under autocast
-    the experts give bfloat16 and the gate weights are float32): one buffer less to allocate."""
-    in_place = not (out.requires_grad or weights.requires_grad) and out.dtype == weights.dtype
-    return out.mul_(weights) if in_place else out * weights
-
-
-def _scatter_weighted(out: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor, items: int) -> torch.Tensor:
-    """[items, C'] sum of weights[p] * out[p] over the pairs p of each item (out [P, C'] in pair order)."""
-    out = _scaled(out, weights.unsqueeze(-1))
-    return out.new_zeros(items, out.shape[-1]).index_add_(0, rows, out)
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

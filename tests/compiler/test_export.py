@@ -66,13 +66,15 @@ def test_soft_moe_exports_where_eager_runs_the_loop(monkeypatch):
     traced it runs the bmm, so the layer still exports, and the export computes what eager computes."""
     from moespec.layers import Experts, SoftMoE
     from moespec.layers.dispatch import CPU_EQUAL_LOOP_FROM
+    from moespec.layers.steps import STEPS
 
     torch.manual_seed(0)
     layer = SoftMoE(Experts(2, 8, 16, 8, act=torch.nn.GELU()), slots_per_expert=CPU_EQUAL_LOOP_FROM[0] // 2).eval()
     x = torch.randn(2, 5, 8)  # 2 images x 64 slots: 128 rows per expert
     exported = torch.export.export(layer, (x,))
     loops = []
-    monkeypatch.setattr(layer.experts, "_loop", lambda *a: loops.append(1) or Experts._loop(layer.experts, *a))
+    loop = STEPS["loop"]
+    monkeypatch.setattr(loop, "run", lambda *a: loops.append(1) or type(loop).run(loop, *a))
     with torch.no_grad():
         torch.testing.assert_close(exported.module()(x), layer(x), atol=1e-5, rtol=0)
     assert loops == [1]

@@ -34,7 +34,7 @@ from torch.nn.parallel import DistributedDataParallel
 import moespec
 import moespec.distributed as md
 from moespec.errors import MoespecError
-from moespec.layers import Experts
+from moespec.layers import set_expert_step
 from tests.distributed.ep_cases import VIT
 
 INPUT = [3, 32, 32]
@@ -66,11 +66,9 @@ def files(out: Path, rank: int, world: int) -> dict:
     # Bit-equal outputs need the same kernels on both sides. The default step may differ between them (it
     # depends on the rows and experts a bank holds), and the loop and grouped_mm steps send a one-row segment
     # through BLAS's matrix-vector kernel, which rounds differently; padded runs every segment as a matrix.
-    Experts.dispatch = "padded"
-    try:
-        output_diff = (loaded.eval()(x) - reference.eval()(x)).abs().max().item()
-    finally:
-        Experts.dispatch = "auto"
+    set_expert_step(loaded, "padded")
+    set_expert_step(reference, "padded")
+    output_diff = (loaded.eval()(x) - reference.eval()(x)).abs().max().item()
     return {"load_diff": worst, "output_diff": output_diff}
 
 

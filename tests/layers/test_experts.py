@@ -7,7 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from moespec.layers import Experts
+from moespec.layers import Experts, set_expert_step
+from moespec.layers.steps import STEPS, available_steps
 
 STRUCTURES = {
     "plain": dict(),
@@ -30,7 +31,7 @@ def _bank(structure: str, experts: int = 4) -> Experts:
 
 def _run(bank: Experts, dispatch: str, x: torch.Tensor, counts: torch.Tensor, grad: torch.Tensor):
     """Output, input gradient and every parameter gradient of one forward + backward."""
-    bank.dispatch = dispatch
+    set_expert_step(bank, dispatch)
     bank.zero_grad(set_to_none=True)
     x = x.detach().requires_grad_()
     y = bank(x, counts)
@@ -39,7 +40,7 @@ def _run(bank: Experts, dispatch: str, x: torch.Tensor, counts: torch.Tensor, gr
     return y.detach(), x.grad, grads
 
 
-@pytest.mark.parametrize("dispatch", ["padded", "grouped_mm"])
+@pytest.mark.parametrize("dispatch", [s for s in available_steps() if s != "loop"])
 @pytest.mark.parametrize("structure", list(STRUCTURES))
 def test_batched_steps_match_the_loop(structure, dispatch):
     bank = _bank(structure)
@@ -53,10 +54,10 @@ def test_batched_steps_match_the_loop(structure, dispatch):
         torch.testing.assert_close(grads[name], g, atol=1e-4, rtol=1e-4, msg=name)
 
 
-@pytest.mark.parametrize("dispatch", ["loop", "padded", "grouped_mm"])
+@pytest.mark.parametrize("dispatch", available_steps())
 def test_no_rows_gives_an_empty_output(dispatch):
     bank = _bank("plain")
-    bank.dispatch = dispatch
+    set_expert_step(bank, dispatch)
     assert bank(torch.zeros(0, 8), torch.zeros(4, dtype=torch.long)).shape == (0, 12)
 
 
@@ -91,10 +92,10 @@ def test_auto_picks_padded_grouped_mm_or_the_loop_by_rows_per_expert_and_padding
     assert bank.strategy(double, torch.tensor([25, 25, 25, 25])) == "padded"
     odd = Experts(4, 6, 10, 6, act=nn.GELU())  # 6 floats = 24 bytes a row: grouped_mm's kernels refuse it
     assert odd.strategy(torch.zeros(100, 6), torch.tensor([100, 0, 0, 0])) == "loop"
-    bank.dispatch = "padded"
+    set_expert_step(bank, "padded")
     assert bank.strategy(*rows(10_000, 0, 0, 0)) == "padded"  # a forced step is taken as is
     grn = Experts(2, 6, 5, 6, act=nn.GELU(), inner_norm="grn")
-    grn.dispatch = "padded"  # GRN normalizes per image: only the loop knows the images
+    set_expert_step(grn, "padded")  # GRN normalizes per image: only the loop knows the images
     assert grn.strategy(torch.zeros(8, 6), torch.tensor([8, 0])) == "loop"
 
 
@@ -108,11 +109,11 @@ def test_auto_is_a_function_of_the_inputs_only():
         assert torch.equal(bank(x, counts), first)
 
 
-@pytest.mark.parametrize("dispatch", ["loop", "padded", "grouped_mm"])
+@pytest.mark.parametrize("dispatch", available_steps())
 def test_every_step_takes_an_expanded_output_gradient(dispatch):
     """`.sum().backward()` sends a stride-0 gradient, which torch's grouped_mm backward refuses by itself."""
     bank = _bank("plain")
-    bank.dispatch = dispatch
+    set_expert_step(bank, dispatch)
     x = torch.randn(11, 8, requires_grad=True)
     bank(x, torch.tensor([3, 0, 6, 2])).sum().backward()
     assert x.grad.shape == (11, 8) and bank.fc1.weight.grad is not None
@@ -126,11 +127,11 @@ def test_batched_equals_each_expert_on_its_own_rows():
 
 
 @pytest.mark.parametrize("structure", ["swiglu", "glu"])
-@pytest.mark.parametrize("dispatch", ["loop", "padded", "grouped_mm"])
+@pytest.mark.parametrize("dispatch", available_steps())
 def test_gated_product_without_autograd_is_the_recorded_one_bit_for_bit(structure, dispatch):
     """Without autograd the gated product goes into act's own output (mul_), in either GLU order."""
     bank = _bank(structure)
-    bank.dispatch = dispatch
+    set_expert_step(bank, dispatch)
     x, counts = torch.randn(11, 8), torch.tensor([3, 0, 6, 2])
     recorded = bank(x, counts)
     assert recorded.requires_grad
@@ -138,7 +139,7 @@ def test_gated_product_without_autograd_is_the_recorded_one_bit_for_bit(structur
         assert torch.equal(bank(x, counts), recorded.detach())
 
 
-@pytest.mark.parametrize("dispatch", ["auto", "loop", "padded", "grouped_mm"])
+@pytest.mark.parametrize("dispatch", ["auto", *available_steps()])
 def test_batched_runs_the_step_it_is_given_and_every_step_agrees(dispatch, monkeypatch):
     """Equal segments (Soft MoE's slots): each step gives the bmm's output and gradients; auto on CPU runs the
     bmm on x itself (nothing to pad) below CPU_EQUAL_LOOP_FROM rows per expert, the loop from there: 128 in a
@@ -149,25 +150,28 @@ def test_batched_runs_the_step_it_is_given_and_every_step_agrees(dispatch, monke
     for rows in (3, forward_from, backward_from):
         bank = _bank("swiglu")
         x, grad = torch.randn(4, rows, 8), torch.randn(4, rows, 12)
-        bank.dispatch = "padded"
+        set_expert_step(bank, "padded")
         x_ref = x.clone().requires_grad_()
         y_ref = bank.batched(x_ref)
         (y_ref * grad).sum().backward()
         grads_ref = {name: p.grad.clone() for name, p in bank.named_parameters()}
 
-        bank.dispatch, ran = dispatch, []
-        for step in ("_loop", "_grouped", "_stacked"):
-            method = getattr(Experts, step)
-            monkeypatch.setattr(bank, step, lambda *a, m=method, s=step, b=bank, r=ran: r.append(s) or m(b, *a))
+        ran = []
+        set_expert_step(bank, dispatch)
+        for name in ("loop", "grouped_mm"):  # the steps of the table, and padded's two bmm on x itself
+            step = STEPS[name]
+            monkeypatch.setattr(step, "run",
+                                lambda *a, f=type(step).run, o=step, s=name, r=ran: r.append(s) or f(o, *a))
+        monkeypatch.setattr(bank, "_stacked",
+                            lambda *a, f=Experts._stacked, b=bank, r=ran: r.append("padded") or f(b, *a))
         with torch.no_grad():
             y_plain = bank.batched(x)
         bank.zero_grad(set_to_none=True)
         x = x.requires_grad_()
         y = bank.batched(x)
         (y * grad).sum().backward()
-        forced = {"loop": "_loop", "grouped_mm": "_grouped", "padded": "_stacked"}
-        expected = [forced[dispatch]] * 2 if dispatch != "auto" else [
-            "_loop" if rows >= forward_from else "_stacked", "_loop" if rows >= backward_from else "_stacked"]
+        expected = [dispatch] * 2 if dispatch != "auto" else [
+            "loop" if rows >= forward_from else "padded", "loop" if rows >= backward_from else "padded"]
         assert ran == expected
         torch.testing.assert_close(y_plain, y_ref.detach(), atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(y, y_ref, atol=1e-5, rtol=1e-5)
@@ -198,7 +202,7 @@ def _by_hand(bank: Experts, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
     return torch.cat(outputs)
 
 
-@pytest.mark.parametrize("dispatch", ["loop", "padded", "grouped_mm"])
+@pytest.mark.parametrize("dispatch", available_steps())
 @pytest.mark.parametrize("structure", list(STRUCTURES))
 def test_every_step_matches_each_expert_by_hand_with_gradients(structure, dispatch):
     bank = _bank(structure)
@@ -229,7 +233,7 @@ def test_the_loop_gives_the_same_output_with_and_without_autograd(structure):
     """The loop runs each expert's whole FFN on its segment in turn; under autograd each segment is a graph of
     its own (`SegmentGraphs`), without it plain ops: the same ops on the same rows, so the same bits."""
     bank = _grn_bank() if structure == "grn" else _bank(structure)
-    bank.dispatch = "loop"
+    set_expert_step(bank, "loop")
     counts = torch.tensor([3, 0, 6, 2])
     x, groups = torch.randn(11, 8), torch.tensor([0, 1, 1, 0, 0, 0, 1, 1, 1, 0, 1])
     groups = groups if structure == "grn" else None
@@ -248,14 +252,14 @@ def test_combine_segment_by_segment_equals_the_gathered_step_and_the_sum_by_hand
     with autograd it runs the step on every gathered row, then scales and scatters. Both are the weighted sum
     over each item's pairs, by hand: items picked twice (top-2), an item in no pair (0), an expert with none."""
     bank = _grn_bank() if structure == "grn" else _bank(structure)
-    bank.dispatch = "loop"
+    set_expert_step(bank, "loop")
     items = torch.randn(7, 8)
     counts = torch.tensor([3, 0, 4, 2])  # pairs sorted by expert
     rows = torch.tensor([0, 2, 5, 1, 2, 3, 5, 0, 3])  # item 4 and item 6 in no pair
     weights = torch.rand(9)
     groups = torch.tensor([0, 0, 0, 1, 1, 1, 1]) if structure == "grn" else None
     with torch.no_grad():
-        assert bank._segmentwise(items, rows, counts)
+        assert bank._step(rows.shape[0], items, counts) == "loop" and bank.runs_segmentwise(items)
         segmentwise = bank.combine(items, rows, counts, weights, groups)
     gathered = bank.combine(items.requires_grad_(), rows, counts, weights, groups)
     assert gathered.requires_grad
@@ -275,7 +279,7 @@ def test_the_loop_without_autograd_keeps_the_dropout_after_fc2():
     everything, in eval it is the identity."""
     torch.manual_seed(0)
     bank = Experts(4, 8, 4, 12, act=nn.GELU(), drop=(0.0, 1.0))
-    bank.dispatch = "loop"
+    set_expert_step(bank, "loop")
     counts, x = torch.tensor([3, 0, 6, 2]), torch.randn(11, 8)
     with torch.no_grad():
         assert torch.equal(bank.train()(x, counts), torch.zeros(11, 12))
@@ -286,7 +290,7 @@ def test_the_loop_without_autograd_keeps_the_dropout_after_fc2():
 def test_the_loop_under_autograd_passes_gradcheck(structure):
     """Gradients of the input and of every stacked parameter, an expert without rows included."""
     bank = (_grn_bank() if structure == "grn" else _bank(structure)).double()
-    bank.dispatch = "loop"
+    set_expert_step(bank, "loop")
     names = [name for name, _ in bank.named_parameters()]
     counts, groups = torch.tensor([2, 0, 4, 1]), torch.tensor([0, 1, 0, 0, 1, 1, 0])
 
@@ -301,7 +305,7 @@ def test_the_loop_under_autograd_passes_gradcheck(structure):
 
 def test_the_loop_under_autograd_keeps_its_graph_when_asked_and_frees_it_otherwise():
     bank = _bank("plain")
-    bank.dispatch = "loop"
+    set_expert_step(bank, "loop")
     x, counts = torch.randn(11, 8, requires_grad=True), torch.tensor([3, 0, 6, 2])
     loss = bank(x, counts).square().sum()
     loss.backward(retain_graph=True)
@@ -317,7 +321,7 @@ def test_the_loop_under_activation_checkpointing_gives_the_same_gradients(reentr
     from torch.utils.checkpoint import checkpoint
 
     bank = _bank("layernorm")
-    bank.dispatch = "loop"
+    set_expert_step(bank, "loop")
     x, counts = torch.randn(11, 8, requires_grad=True), torch.tensor([3, 0, 6, 2])
 
     def gradients(run):

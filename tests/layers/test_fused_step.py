@@ -26,6 +26,7 @@ from moespec.layers.dispatch import device_path
 from moespec.layers.experts import Experts
 from moespec.layers.moe import MoE
 from moespec.layers.routers import ExpertChoiceRouter, ImageRouter, LinearGate, TopKRouter
+from moespec.layers.steps import set_expert_step
 
 from .test_device_path import _step as outputs_and_gradients
 
@@ -75,7 +76,7 @@ def _step(layer: nn.Module, x: torch.Tensor, step: str) -> tuple[torch.Tensor, l
     """Output and the gradients of the input and every parameter under expert step `step`, for a loss that
     weights each output."""
     experts = layer.experts if isinstance(layer, MoE) else layer._orig_mod.experts
-    experts.dispatch = step
+    set_expert_step(experts, step)
     return outputs_and_gradients(layer, x)
 
 
@@ -154,10 +155,10 @@ def test_the_tail_rows_give_zero_and_take_no_gradient():
     bank = _bank(4)
     x = torch.randn(10, DIM, requires_grad=True)
     counts = torch.tensor([3, 0, 2, 1])  # 6 rows in segments, 4 in the tail
-    bank.dispatch = "triton"
+    set_expert_step(bank, "triton")
     y = bank(x, counts, tail=True)
     assert y[6:].eq(0).all()
-    bank.dispatch = "grouped_mm"
+    set_expert_step(bank, "grouped_mm")
     torch.testing.assert_close(y[:6], bank(x[:6], counts), rtol=1e-5, atol=1e-6)
     y.sum().backward()
     assert x.grad[6:].eq(0).all()
@@ -191,11 +192,11 @@ def test_under_bf16_autocast_the_triton_step_agrees():
 @pytest.mark.skipif(INTERPRETED, reason="the interpreter runs on CPU")
 def test_forcing_it_where_it_cannot_run_says_why():
     layer, x = _layer("E4-k2-capacity"), _inputs()
-    layer.experts.dispatch = "triton"
+    set_expert_step(layer.experts, "triton")
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1" if HAS_TRITON else "triton is not installed"):
         layer(x)
     bank = Experts(2, DIM, HIDDEN, DIM, act=nn.GELU(approximate="tanh"), inner_norm="layernorm")
-    bank.dispatch = "triton"
+    set_expert_step(bank, "triton")
     with pytest.raises(RuntimeError, match=r"GELU \(exact\) or SiLU.*no inner norm"):
         bank(torch.randn(4, DIM), torch.tensor([2, 2]))
 

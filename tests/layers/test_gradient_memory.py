@@ -14,7 +14,8 @@ import pytest
 import torch
 from torch import nn
 
-from moespec.layers import Experts, LinearGate, MoE, SoftMoE, TopKRouter, gradient_memory
+from moespec.layers import Experts, LinearGate, MoE, SoftMoE, TopKRouter, gradient_memory, set_expert_step
+from moespec.layers.steps import available_steps
 
 
 @pytest.fixture
@@ -26,7 +27,7 @@ def kept(monkeypatch):
 def _moe(dispatch: str, structure: dict | None = None) -> MoE:
     torch.manual_seed(0)
     bank = Experts(4, 8, 16, 8, **{"act": nn.GELU(), **(structure or {})})
-    bank.dispatch = dispatch
+    set_expert_step(bank, dispatch)
     return MoE(TopKRouter(LinearGate(8, 4), 4, 2), bank)
 
 
@@ -45,7 +46,7 @@ def _kept_params() -> int:
     return sum(len(blocks) for blocks in gradient_memory._blocks.values())
 
 
-@pytest.mark.parametrize("dispatch", ["loop", "padded", "grouped_mm"])
+@pytest.mark.parametrize("dispatch", available_steps())
 @pytest.mark.parametrize("structure", [{}, {"glu": "act_first", "act": nn.SiLU()}, {"inner_norm": "layernorm"}],
                          ids=["plain", "swiglu", "layernorm"])
 @pytest.mark.parametrize("set_to_none", [True, False])

@@ -11,9 +11,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moespec.layers import Experts, LinearGate, MoE, Routing, SoftMoE, TopKRouter
+from moespec.layers import Experts, LinearGate, MoE, Routing, SoftMoE, TopKRouter, set_expert_step
 from moespec.layers.moe import aux_loss
 from moespec.layers.routing import importance_load_loss, switch_loss, z_loss
+from moespec.layers.steps import available_steps
 
 
 def _moe(dim=6, hidden=5, experts=4, top_k=2, normalize=False, shared=0, capacity_factor=None, seed=0):
@@ -51,12 +52,12 @@ def _reference(moe: MoE, x: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("grad", [True, False])
-@pytest.mark.parametrize("dispatch", ["loop", "padded", "grouped_mm"])
+@pytest.mark.parametrize("dispatch", available_steps())
 @pytest.mark.parametrize("experts,top_k,normalize", [(4, 1, False), (4, 2, False), (4, 2, True), (3, 3, True)])
 def test_dispatch_matches_per_item_reference(experts, top_k, normalize, dispatch, grad):
     """With and without autograd (without it, the loop combines segment by segment)."""
     moe = _moe(dim=8, hidden=4, experts=experts, top_k=top_k, normalize=normalize).eval()  # grouped_mm: 16-byte rows
-    moe.experts.dispatch = dispatch
+    set_expert_step(moe.experts, dispatch)
     x = torch.randn(2, 7, 8)
     with torch.set_grad_enabled(grad):
         y = moe(x)
@@ -64,13 +65,13 @@ def test_dispatch_matches_per_item_reference(experts, top_k, normalize, dispatch
     torch.testing.assert_close(y, _reference(moe, x), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("dispatch", ["loop", "padded", "grouped_mm"])
+@pytest.mark.parametrize("dispatch", available_steps())
 def test_every_step_runs_under_bfloat16_autocast_with_and_without_autograd(dispatch):
     """Under autocast the experts give bfloat16 and the routing weights stay float32: the output is the
     float32 reference to bfloat16 rounding, in training and in inference (the no-grad path scales in place
     only when that keeps the dtype: it once raised in index_add_)."""
     moe = _moe(dim=8, hidden=4, experts=4, top_k=2)
-    moe.experts.dispatch = dispatch
+    set_expert_step(moe.experts, dispatch)
     x = torch.randn(2, 7, 8, requires_grad=True)
     reference = _reference(moe, x.detach())
     for grad in (False, True):
@@ -153,7 +154,7 @@ def test_frozen_experts_still_pass_the_task_gradient_to_the_router(dispatch):
     the router, as the per-item reference does."""
     moe = _moe(dim=8, hidden=4, experts=4, top_k=2).eval()
     moe.experts.requires_grad_(False)
-    moe.experts.dispatch = dispatch
+    set_expert_step(moe.experts, dispatch)
     x = torch.randn(2, 5, 8)
     moe(x).square().sum().backward()
     got = moe.router.gate.weight.grad.clone()

@@ -1,0 +1,23 @@
+"""The padded step: the rows scattered into a zero-padded [E, largest segment, C] batch and two `bmm`s (reads
+the largest segment on the host)."""
+
+from __future__ import annotations
+
+import torch
+
+from .base import ExpertStep
+
+
+class PaddedStep(ExpertStep):
+    name = "padded"
+
+    def run(self, bank, x: torch.Tensor, counts: torch.Tensor, groups: torch.Tensor | None,
+            tail: bool) -> torch.Tensor:
+        """Rows scattered into a zero-padded [E, M, C] batch (M = the largest segment), batched expert, gathered
+        back. Padding rows get zero gradient: their outputs are never gathered."""
+        expert = torch.repeat_interleave(torch.arange(bank.local_experts, device=x.device), counts,
+                                         output_size=x.shape[0])  # expert of each row
+        slot = torch.arange(x.shape[0], device=x.device) - (torch.cumsum(counts, 0) - counts)[expert]
+        width = int(counts.max()) if x.shape[0] else 0
+        padded = x.new_zeros(bank.local_experts, width, x.shape[1]).index_put((expert, slot), x)
+        return bank._stacked(padded)[expert, slot]
