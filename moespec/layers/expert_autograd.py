@@ -78,8 +78,8 @@ class ExpertLinear(torch.autograd.Function):
 def _weight_gradient_cpu(grad: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor,
                          weight: torch.Tensor) -> torch.Tensor:
     """[E, H, C] sum over each expert's rows of grad [S, H] x x [S, C], zero for experts without rows: one mm
-    per expert into the gradient's kept memory (`empty_gradient`; grouped_mm has no out=): 5 ms where
-    grouped_mm's fresh tensor took 18 ms for 32 experts at ViT-S width, the same for 8."""
+    per expert into the gradient's kept memory (`empty_gradient`; grouped_mm has no out=, and its fresh tensor
+    is page-faulted in at every step: docs/dispatch.md)."""
     out = empty_gradient(weight)
     for e, rows in segment_slices(offsets):
         torch.mm(grad[rows].t(), x[rows], out=out[e])  # no rows: zeros
@@ -89,7 +89,7 @@ def _weight_gradient_cpu(grad: torch.Tensor, x: torch.Tensor, offsets: torch.Ten
 class GatherPairs(torch.autograd.Function):
     """rows [P, C] = items[item[r]] for the P = T * k sorted pairs. Backward sums each item's k row gradients by
     a gather at `position` [T, k] (where each item's choices sit among the pairs), where autograd's index_select
-    backward scatter-adds with atomics (on a GPU, a bf16 atomic add per element: a third of a forward's time at
+    backward scatter-adds with atomics (on a GPU, a bf16 atomic add per element: docs/dispatch.md has its cost at
     ViT-B width)."""
 
     @staticmethod
@@ -157,7 +157,7 @@ class SegmentGraphs(torch.autograd.Function):
     """The loop step under autograd: expert e's whole FFN on its segment of rows, each segment a small autograd
     graph of its own whose leaves are the segment and expert e's slices of the parameters. Every intermediate
     is segment-sized, so it stays in cache and comes from malloc's heap; [S, H] tensors for all rows at once
-    are mapped fresh at every step (tens of thousands of page faults a step on CPU) and go through memory
+    are mapped fresh at every step (page faults: docs/dispatch.md) and go through memory
     between ops. Backward runs each segment's graph and writes the parameter gradients into stacked tensors in
     the parameters' own layout (indexing `weight[e]` under autograd would allocate a full-size gradient per
     expert), zero for experts without rows.

@@ -1,9 +1,8 @@
 """Memory for the experts' stacked weight gradients on CPU, kept from one backward to the next.
 
-The gradient of a stacked expert weight is E times a dense layer's: 151 MB a step for fc1 and fc2 of 32 experts
-at ViT-S width. glibc's malloc maps every block above 32 MB fresh at each allocation and unmaps it when it is
-freed, so each backward took the first touch of every page again (37,000 page faults a step for those 151 MB,
-~25 ms of a 250 ms step on the machine this was measured on). torch has no caching allocator on CPU; the GPU's
+The gradient of a stacked expert weight is E times a dense layer's. glibc's malloc maps every block above 32 MB
+fresh at each allocation and unmaps it when it is freed, so each backward took the first touch of every page again
+(docs/dispatch.md, "Figures behind the code"). torch has no caching allocator on CPU; the GPU's
 caching allocator keeps such memory already, so only CPU parameters use this.
 
 Each parameter gets at most two blocks of its own: one for the gradient that AccumulateGrad adopts as `.grad`,
