@@ -1,10 +1,11 @@
 """The nn.Modules moespec inserts. They take plain numbers and sub-modules, never a spec."""
 
 from .experts import Experts, StackedLinear, StackedNorm
+from .gates import BalancingBias, LinearGate, ProjectedGate
 from .interfaces import MoELayer, Router
 from .moe import MoE
 from .rescale import Rescale, RescaledBlock, rescaled
-from .routers import BalancingBias, ExpertChoiceRouter, ImageRouter, LinearGate, ProjectedGate, TopKRouter
+from .routers import ExpertChoiceRouter, ImageRouter, TopKRouter
 from .routing import AUX_LOSSES, Routing, register_aux_loss
 from .soft import SoftMoE
 from .steps import EXPERT_STEPS, set_expert_step
