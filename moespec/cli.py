@@ -6,7 +6,6 @@ a bug in moespec and exits 1 with a hint to rerun with `--debug`.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
 from enum import Enum
@@ -15,8 +14,8 @@ from typing import Annotated, Callable, List, Optional, Tuple
 
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from .apps import terminal
 from .choices import MAX_POINTS, PRECISIONS, STATS_FORMATS
 from .errors import MoespecError, SpecError
 from .planning import plan, plan_file
@@ -37,41 +36,6 @@ app = typer.Typer(
 out = Console(width=None if sys.stdout.isatty() else 240)  # never truncate tables piped to a file
 
 
-def _error(message: str) -> None:
-    """One line on stderr, never wrapped (scripts and tests grep these). Where no one reads stderr any more (its
-    reader is gone), the line is dropped and the command goes on."""
-    try:
-        typer.echo(message, err=True)
-    except BrokenPipeError:
-        _to_devnull(sys.stderr)
-
-
-def _to_devnull(stream) -> None:
-    """Point the stream's file descriptor at /dev/null: its reader is gone, and what is still buffered (or
-    written later, by us or a library) must not fail again, at exit least of all."""
-    with contextlib.suppress(OSError, ValueError, AttributeError):
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, stream.fileno())
-        os.close(devnull)
-
-
-def _steady_streams() -> None:
-    """Before anything runs: a standard stream that was closed (`2>&-`) is opened on /dev/null, so that no file
-    moespec opens takes its number (a library's warning would then be written into it), and stdout and stderr
-    replace what their encoding cannot show (a Latin-1 locale and a table's rules) instead of failing."""
-    for fd in (0, 1, 2):
-        try:
-            os.fstat(fd)
-        except OSError:
-            opened = os.open(os.devnull, os.O_RDWR)
-            if opened != fd:
-                os.dup2(opened, fd)
-                os.close(opened)
-    for name, fd in (("stdout", 1), ("stderr", 2)):
-        if getattr(sys, name) is None:
-            setattr(sys, name, open(fd, "w", closefd=False))
-        with contextlib.suppress(AttributeError, ValueError):
-            getattr(sys, name).reconfigure(errors="replace")
 _debug = _quiet = False
 
 
@@ -91,19 +55,19 @@ def _run(action: Callable[[], int | None]) -> None:
             raise
         messages = [str(p) for p in error.problems] if isinstance(error, SpecError) else str(error).splitlines()
         for i, message in enumerate(messages):
-            _error(("moespec: error: " if i == 0 or isinstance(error, SpecError) else "  ") + message)
+            terminal.error(("moespec: error: " if i == 0 or isinstance(error, SpecError) else "  ") + message)
         raise typer.Exit(2) from None
     except KeyboardInterrupt:
-        _error("moespec: interrupted")
+        terminal.error("moespec: interrupted")
         raise typer.Exit(130) from None
     except BrokenPipeError:  # stdout's reader is gone (`| head`): it has read all it wanted
-        _to_devnull(sys.stdout)
+        terminal.to_devnull(sys.stdout)
         raise typer.Exit(0) from None
     except Exception as error:  # a bug in moespec, not a user mistake
         if _debug:
             raise
-        _error(f"moespec: internal error: {type(error).__name__}: {error}")
-        _error("this is a bug in moespec; rerun with --debug for the traceback and report it")
+        terminal.error(f"moespec: internal error: {type(error).__name__}: {error}")
+        terminal.error("this is a bug in moespec; rerun with --debug for the traceback and report it")
         raise typer.Exit(1) from None
     if code:
         raise typer.Exit(code)
@@ -113,7 +77,7 @@ def _report_failure(file: Path, error: MoespecError) -> None:
     """The problems of one spec of several, one line each; the other specs go on."""
     named = str(error).startswith(f"{file}:")  # the error names the file already
     for problem in error.problems if isinstance(error, SpecError) else [str(error) if named else f"{file}: {error}"]:
-        _error(f"moespec: error: {problem}")
+        terminal.error(f"moespec: error: {problem}")
 
 
 @app.command()
@@ -136,7 +100,7 @@ def validate(specs: List[Path] = typer.Argument(..., help="Spec files or folders
             out.print(f"ok: {file} ({p.model}, {len(p.layers)} MoE layers)", markup=False)
             if old_keys:
                 moved = ", ".join(old_keys)
-                _error(f"moespec: {'fixed' if fix else 'note'}: {file}{where}: {moved}: "
+                terminal.error(f"moespec: {'fixed' if fix else 'note'}: {file}{where}: {moved}: "
                        + ("moved into the router" if fix else "the previous release's form, still read; "
                           "`moespec validate --fix` moves it into the router"))
         return 2 if failed else 0
@@ -229,27 +193,6 @@ DType = Enum("DType", {name: name for name in PRECISIONS}, type=str)
 """`--dtype` choices: the names of `choices.PRECISIONS` (`io.DTYPE_NAMES` maps them to torch dtypes)."""
 
 
-@contextlib.contextmanager
-def progress(description: str):
-    """Progress on stderr while the block runs, fed by the `update(item, done, total)` it yields: a rich bar
-    on a terminal; where stderr is not one (piped, redirected to a log), one plain line per item of a run of
-    several as the item starts, numbered from 1 (`moespec: counting: 2/31 b.yaml`: the second of 31, while
-    `done` is 1), so that a long run piped to a file is not silent (a run of one item says nothing: its error,
-    if any, stays the first line). None under `--quiet`."""
-    if _quiet:
-        yield lambda item, done, total: None
-        return
-    if not sys.stderr.isatty():
-        yield lambda item, done, total: item and total > 1 and _error(
-            f"moespec: {description}: {done + 1}/{total} {item}")
-        return
-    bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                   TextColumn("{task.fields[item]}"), TimeElapsedColumn(), console=Console(stderr=True), transient=True)
-    task = bar.add_task(description, total=None, item="")
-    with bar:
-        yield lambda item, done, total: bar.update(task, completed=done, total=total, item=item)
-
-
 @app.command("upcycle")
 def upcycle_command(
     spec: Annotated[Path, typer.Argument(help="Spec file.")],
@@ -284,7 +227,8 @@ def upcycle_command(
         check_seed(seed, "--seed")
         check_checkpoint_output(output, force)
         loaded = load_spec(spec)
-        with progress("reading images") as read, progress("upcycling MoE layers") as advance:
+        with terminal.progress("reading images", _quiet) as read, \
+                terminal.progress("upcycling MoE layers", _quiet) as advance:
             files, report = upcycle_to_checkpoint(loaded, output, checkpoint=given or None, images=images or None,
                                                   seed=seed, dtype=DTYPE_NAMES[dtype.value],
                                                   max_shard_size=limit, force=force, check=check,
@@ -324,7 +268,7 @@ def stats_command(
             raise MoespecError("--ranks adds per-spec columns; it does not combine with --per-layer")
         records, splits, failed = [], [], 0
         files = spec_files(specs)
-        with progress("counting") as advance:
+        with terminal.progress("counting", _quiet) as advance:
             for done, file in enumerate(files):
                 advance(file.name, done, len(files))
                 try:
@@ -379,18 +323,18 @@ def sweep_command(
         if plot is not None:
             require_matplotlib("moespec sweep --plot")
             check_figure_path(plot, force)
-        with progress("sweeping") as advance:
+        with terminal.progress("sweeping", _quiet) as advance:
             points = sweep(spec, parsed, input_size=input_size, on_point=advance, max_points=max_points)
         valid = [p for p in points if p.stats is not None]
         for point in points:
             for problem in point.problems:
-                _error(f"moespec: error: point {point.label}: {problem}")
+                terminal.error(f"moespec: error: point {point.label}: {problem}")
         if valid:
             sys.stdout.write(render([p.stats for p in valid], format.value, per_layer=per_layer,
                                     settings=[p.settings for p in valid]))
         if plot is not None and valid:
             draw(points, plot, title=f"{valid[0].stats.name}: {len(valid)} designs")
-            _error(f"moespec: wrote {plot}")
+            terminal.error(f"moespec: wrote {plot}")
         return 2 if len(valid) < len(points) else 0
 
     _run(body)
@@ -426,12 +370,13 @@ def inspect_command(
         check_report_folder(output, [images, source, spec])
         folder = find_images(images, limit)
         model = load_model(source, seed=seed, spec=spec, ema=ema, trust_pickle=trust_pickle)
-        with progress("routing images") as advance:
+        with terminal.progress("routing images", _quiet) as advance:
             report = inspect_routing(model, folder, batch_size=batch_size, source=str(source), on_batch=advance)
         for skipped in report.skipped[:5]:
-            _error(f"moespec: warning: skipped an unreadable image: {skipped}")
+            terminal.error(f"moespec: warning: skipped an unreadable image: {skipped}")
         if len(report.skipped) > 5:
-            _error(f"moespec: warning: skipped {len(report.skipped) - 5} more unreadable images (see summary.json)")
+            terminal.error(f"moespec: warning: skipped {len(report.skipped) - 5} more unreadable images "
+                           f"(see summary.json)")
         write_report(report, output, force=force, inputs=[images, source, spec])
         out.print(f"wrote {output / 'index.html'} ({len(report.layers)} MoE layers, {sum(report.images_per_class)} "
                   f"images in {len(report.classes)} classes)", markup=False)
@@ -452,7 +397,7 @@ def schema_command() -> None:
 
 
 def main() -> None:
-    _steady_streams()
+    terminal.steady_streams()
     app()
 
 
