@@ -71,6 +71,18 @@ def _tile(pid, row_blocks, columns, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr
     return first + (pid % in_group) % size, (pid % in_group) // size
 
 @triton.jit
+def _tile_of(pid, row_blocks, offsets_ptr, experts, rows, columns, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+             GROUP_M: tl.constexpr):
+    """(expert, its rows [BLOCK_M], their mask, the columns [BLOCK_N], their mask, the column block) of program
+    `pid` of a row kernel: `_tile`'s raster, then `_segment_of_block`'s expert and rows (expert < 0: none)."""
+    block, column_block = _tile(pid, row_blocks, columns, BLOCK_N, GROUP_M)
+    expert, first, end = _segment_of_block(block, offsets_ptr, experts, rows, BLOCK_M)
+    row = first + tl.arange(0, BLOCK_M)
+    col = column_block * BLOCK_N + tl.arange(0, BLOCK_N)
+    return expert, row, row < end, col, col < columns, column_block
+
+
+@triton.jit
 def _fc1_kernel(x_ptr, order_ptr, w_ptr, b_ptr, offsets_ptr, pre_ptr, h_ptr,
                 rows, experts, top_k, in_features, hidden,
                 stride_x, stride_we, stride_wn, stride_be, stride_pre, stride_h, row_blocks,
@@ -79,14 +91,10 @@ def _fc1_kernel(x_ptr, order_ptr, w_ptr, b_ptr, offsets_ptr, pre_ptr, h_ptr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     """pre = x[order // k] @ w[e].T + b[e] (saved if SAVE_PRE), h = act(pre) (GLU: of both halves of w's rows,
     a = rows [0, H), b = rows [H, 2H)). The tail's rows are not written: nothing reads them."""
-    block, column_block = _tile(tl.program_id(0), row_blocks, hidden, BLOCK_N, GROUP_M)
-    expert, first, end = _segment_of_block(block, offsets_ptr, experts, rows, BLOCK_M)
+    expert, row, row_mask, col, col_mask, _ = _tile_of(tl.program_id(0), row_blocks, offsets_ptr, experts, rows,
+                                                       hidden, BLOCK_M, BLOCK_N, GROUP_M)
     if (expert < 0) | (expert == experts):
         return
-    row = first + tl.arange(0, BLOCK_M)
-    row_mask = row < end
-    col = column_block * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_mask = col < hidden
     source = row
     if GATHER:
         source = tl.load(order_ptr + row, mask=row_mask, other=0) // top_k
@@ -136,14 +144,10 @@ def _rows_kernel(a_ptr, w_ptr, b_ptr, gate_ptr, order_ptr, offsets_ptr, out_ptr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     """out[order[r]] = gate[r] * (a[r] @ w[e] + b[e]), w[e][k, n] at stride_wk, stride_wn (fc2: w2[e].T; the
     rows' gradient of fc1: w1[e]). The tail's rows get 0."""
-    block, column_block = _tile(tl.program_id(0), row_blocks, out_features, BLOCK_N, GROUP_M)
-    expert, first, end = _segment_of_block(block, offsets_ptr, experts, rows, BLOCK_M)
+    expert, row, row_mask, col, col_mask, _ = _tile_of(tl.program_id(0), row_blocks, offsets_ptr, experts, rows,
+                                                       out_features, BLOCK_M, BLOCK_N, GROUP_M)
     if expert < 0:
         return
-    row = first + tl.arange(0, BLOCK_M)
-    row_mask = row < end
-    col = column_block * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_mask = col < out_features
     mask = row_mask[:, None] & col_mask[None, :]
     target = row
     if SCATTER:
@@ -177,14 +181,10 @@ def _fc2_backward_kernel(dy_ptr, order_ptr, w_ptr, gate_ptr, pre_ptr, offsets_pt
     """g = dy[order // k] @ w2[e] (w2[e][k, n] at stride_wk, 1); this column block's share of each row's gate
     gradient, g . h, into dgate[r, column block] (the output bias's share, dy . b2[e], is added outside);
     dpre = act'(pre) * gate * g. The tail's rows get dpre = 0 and a gate gradient of 0."""
-    block, column_block = _tile(tl.program_id(0), row_blocks, hidden, BLOCK_N, GROUP_M)
-    expert, first, end = _segment_of_block(block, offsets_ptr, experts, rows, BLOCK_M)
+    expert, row, row_mask, col, col_mask, column_block = _tile_of(tl.program_id(0), row_blocks, offsets_ptr,
+                                                                  experts, rows, hidden, BLOCK_M, BLOCK_N, GROUP_M)
     if expert < 0:
         return
-    row = first + tl.arange(0, BLOCK_M)
-    row_mask = row < end
-    col = column_block * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_mask = col < hidden
     mask = row_mask[:, None] & col_mask[None, :]
     dpre = dpre_ptr + row.to(tl.int64)[:, None] * stride_dpre + col[None, :]
     if expert == experts:  # the tail: zeros, so that a reduction over every row may read them
