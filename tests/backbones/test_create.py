@@ -67,9 +67,10 @@ def test_validate_of_a_million_blocks_is_refused_in_seconds(tmp_path):
     assert stderr.startswith(f"moespec: error: {path}:2:51: backbone.kwargs.depth: 1,000,000 blocks is more than")
     # A failed validate asks timm whether the model name is known too (every problem at once), so it imports
     # timm: bounded by that import's own peak plus 300 MB, where building the blocks grew past 1.5 GB in 45 s.
-    # Measured: ~4 s, and the import's peak (0.7-0.95 GB, by venv) plus ~20 MB.
-    *_, timm_kb = measured_run([sys.executable, "-c", "import timm"], timeout=60)
-    assert seconds < 30 and peak_kb < timm_kb + 300_000, (seconds, peak_kb, timm_kb)
+    # Measured: ~4 s, and the import's peak (0.7-0.95 GB, by venv) plus ~20 MB. The time is bounded against
+    # timm's import timed here too, so that a busy machine slows both alike (a fixed 30 s failed at load 4).
+    *_, timm_seconds, timm_kb = measured_run([sys.executable, "-c", "import timm"], timeout=60)
+    assert seconds < 3 * timm_seconds + 10 and peak_kb < timm_kb + 300_000, (seconds, timm_seconds, peak_kb, timm_kb)
 
 
 def test_a_build_past_the_module_budget_is_stopped_where_it_is(monkeypatch):
