@@ -57,7 +57,11 @@ def problem(error: dict, data: Any, positions: Positions, file: str | None) -> P
     cause = (error.get("ctx") or {}).get("error")
     if isinstance(cause, FieldError):  # a cross-field check about a field inside the validated one
         loc = (*loc, *cause.field.split("."))
+    tag_seen = False
     for part in document_loc(loc, data):
+        if path and path[-1] == "router" and not tag_seen and isinstance(node, dict) and part == node.get("kind"):
+            tag_seen = True  # the union's tag, not a key: `router: {kind: topk, topk: 2}` has a key named like it
+            continue
         if isinstance(node, dict) and part in node:
             node = node[part]
         elif isinstance(node, dict) and str(part) in {str(k) for k in node}:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 from moespec import SpecError, load_spec
 from moespec.spec import loading
 from moespec.spec.loading import located, spec_problem
@@ -55,3 +57,22 @@ def test_a_spec_without_a_readable_file_has_no_position(tmp_path):
 
 
 _real_load_yaml = loading.load_yaml
+
+
+def test_a_router_key_named_like_its_kind_is_reported_at_its_own_path(tmp_path):
+    """`router: {kind: topk, topk: 2}`, the natural typo of top_k: pydantic's location names the union member
+    (`topk`) and then the key (`topk`); the path names the key once, the allowed keys are the topk router's, and
+    a second unknown key of the same router keeps its hint (issue 52: `moe.0.router.topk.topk: unknown key
+    'topk'; allowed: ` with an empty list)."""
+    text = ("name: typo\nbackbone: {model: vit_small_patch16_224, kwargs: {depth: 2, img_size: 64}}\n"
+            "input_size: [3, 64, 64]\nmoe:\n  - where: {every: 2}\n    experts: 4\n"
+            "    router: {kind: topk, topk: 2, scor: softmax}\n")
+    with pytest.raises(SpecError) as error:
+        load_spec(write(tmp_path, text))
+    problems = {p.path: p for p in error.value.problems}
+    assert set(problems) == {"moe.0.router.topk", "moe.0.router.scor"}
+    topk, scor = problems["moe.0.router.topk"], problems["moe.0.router.scor"]
+    assert topk.message.startswith("unknown key 'topk'; allowed: kind, top_k,")
+    assert "did you mean 'top_k'" in topk.message
+    assert "did you mean 'score'" in scor.message
+    assert (topk.line, scor.line) == (line_of(text, "topk: 2"), line_of(text, "scor:"))
