@@ -2,7 +2,7 @@
 
     python tools/bench_moe.py [--quick] [--device cpu|cuda] [--dtype fp32|bf16]
                               [--step auto|loop|padded|grouped_mm|triton] [--only layer|soft|model|groups|peers]
-                              [--peers] [--threads N] [--json out.json]
+                              [--peers] [--threads N] [--load N] [--json out.json]
 
 1. Layer: top-k MoE (E experts of width 4d, top-k) vs a dense FFN of width k * 4d on the same T tokens,
    d = 384, measured interleaved in one process; median ms and the ratio MoE / dense, forward and
@@ -29,15 +29,23 @@
    expert width 1536; each ratio is to the dense FFN of its own family (SwiGLU or GELU MLP) with equal
    activated FLOPs. Then Soft MoE against soft-moe-pytorch from 8 to 1024 experts, with one slot per expert
    and with 1024 slots in all. A peer that is not installed is skipped with a note.
+With `--load N`, N busy processes (each a Python loop that never sleeps) run beside the benchmark for all of
+it, as on a shared machine, laptop or CI runner; the load average before and after is printed and written to the
+JSON. Run it once with and once without, and compare the ratios: a ratio to the dense FFN, both timed under the
+same load, says what the load costs the MoE layer beyond what it costs dense matmuls.
 Figures only: machines are noisy, so nothing here is a test.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.metadata
 import json
+import os
 import statistics
+import subprocess
+import sys
 import time
 
 import torch
@@ -421,6 +429,20 @@ def _versions() -> dict[str, str | None]:
     return versions
 
 
+@contextlib.contextmanager
+def busy_processes(count: int):
+    """`count` processes that keep a core busy (a Python loop that never sleeps) for the length of the block."""
+    workers = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
+    try:
+        if workers:
+            time.sleep(2.0)  # let the scheduler see them
+        yield
+    finally:
+        for worker in workers:
+            worker.kill()
+            worker.wait()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a few settings only")
@@ -434,6 +456,8 @@ def main() -> None:
     parser.add_argument("--peers", action="store_true",
                         help="time the peers' MoE blocks (alone, or with the parts --only names)")
     parser.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's)")
+    parser.add_argument("--load", type=int, default=0,
+                        help="run N busy processes beside the benchmark (a loaded machine), default 0")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -442,11 +466,17 @@ def main() -> None:
     global FORCED_STEP
     FORCED_STEP = args.step
     results = {"device": args.device, "dtype": args.dtype, "step": args.step,
-               "threads": torch.get_num_threads()}
-    for part, fn in (("layer", layer_bench), ("soft", soft_bench), ("model", model_bench), ("groups", group_bench),
-                     ("peers", peer_bench)):
-        if part in parts:
-            results[part] = fn(args.device, dtype, args.quick)
+               "threads": torch.get_num_threads(), "busy_processes": args.load, "cores": os.cpu_count()}
+    with busy_processes(args.load):
+        results["load_average_before"] = os.getloadavg()[0]
+        print(f"load: {args.load} busy processes beside the benchmark on {os.cpu_count()} cores, "
+              f"{torch.get_num_threads()} torch threads; load average {results['load_average_before']:.2f}", flush=True)
+        for part, fn in (("layer", layer_bench), ("soft", soft_bench), ("model", model_bench),
+                         ("groups", group_bench), ("peers", peer_bench)):
+            if part in parts:
+                results[part] = fn(args.device, dtype, args.quick)
+        results["load_average_after"] = os.getloadavg()[0]
+        print(f"load: load average {results['load_average_after']:.2f} at the end", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

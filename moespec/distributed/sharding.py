@@ -1,10 +1,11 @@
 """Spreading a compiled model's experts over the ranks of a process group, in place.
 
 After `shard_experts(model)`, rank r of W holds experts [r * E/W, (r+1) * E/W) of every MoE layer (an
-`ExpertParallel` bank in place of each `Experts` bank; the state-dict names stay). Everything else stays
+bank's stacked parameters sliced, and its rows sent over the ranks by its transport, `layers/transport.py`; the
+state-dict names stay). Everything else stays
 replicated: wrap the model in DistributedDataParallel as usual, which leaves the expert parameters out (they
 differ per rank; averaging them would mix different experts). Their gradients are divided by W as they are
-computed (`ExpertParallel._param_list`), so that they equal one process's on the whole batch when the loss is
+computed (`transport.AllToAll.parameters`), so that they equal one process's on the whole batch when the loss is
 a mean over each rank's batch.
 """
 
@@ -18,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..compiler import moe_layers
 from ..errors import MoespecError
-from ..layers.expert_parallel import ExpertParallel, sharded_banks
+from ..layers.transport import shard_bank, sharded_banks
 from ..planning.ranks import uneven_experts
 
 
@@ -48,7 +49,7 @@ def shard_experts(model: nn.Module, group: dist.ProcessGroup | None = None) -> n
     traffic = dist.new_group(dist.get_process_group_ranks(group))
     ignored = []
     for path, layer in moe_layers(model).items():
-        layer.experts = ExpertParallel.shard(layer.experts, traffic)
+        shard_bank(layer.experts, traffic)
         ignored += [f"{path}.experts.{name}" for name, _ in layer.experts.named_parameters()]
     DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignored)
     return model
@@ -81,10 +82,10 @@ def _check_same_spec(spec, group: dist.ProcessGroup) -> None:
 def expert_group(model: nn.Module) -> dist.ProcessGroup | None:
     """The process group a model's experts are sharded over (None if they are not)."""
     banks = sharded_banks(model)
-    return next(iter(banks.values())).group if banks else None
+    return next(iter(banks.values())).transport.group if banks else None
 
 
-def expert_banks(model: nn.Module) -> dict[str, ExpertParallel]:
+def expert_banks(model: nn.Module) -> dict[str, nn.Module]:
     """This rank's expert banks by qualified name: `bank.first` .. `bank.first + bank.local_experts - 1` of
     `bank.num_experts` experts."""
     return sharded_banks(model)

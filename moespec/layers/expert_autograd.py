@@ -25,7 +25,7 @@ from .grouped import segment_mm, segment_outer, segment_slices, segment_sum
 class ExpertLinear(torch.autograd.Function):
     """Every expert's linear map at once, `x @ weight[e].T + bias[e]`, over a padded batch (x [E, M, C], two
     `bmm`s) or over jagged segments (x [S, C], `grouped.segment_mm` at `offsets`, `expert` [S] the expert of each row;
-    with `tail`, rows past the last offset give 0).
+    with `dropped`, rows past the last offset give 0: `rows.Segments`).
 
     Its backward writes the weight gradient in the weight's own layout [E, H, C], on CPU into memory kept from
     one backward to the next (`gradient_memory`: a fresh tensor that large is page-faulted in). Through plain autograd,
@@ -36,17 +36,17 @@ class ExpertLinear(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, offsets, expert, tail=False):
+    def forward(ctx, x, weight, bias, offsets, expert, dropped=False):
         ctx.save_for_backward(x, weight, offsets, expert)
-        ctx.has_bias, ctx.tail = bias is not None, tail
+        ctx.has_bias, ctx.dropped = bias is not None, dropped
         if offsets is None:
             if bias is None:
                 return torch.bmm(x, weight.transpose(1, 2))
             return torch.baddbmm(bias.unsqueeze(1), x, weight.transpose(1, 2))
-        y = segment_mm(x, weight, offsets, tail=tail)
+        y = segment_mm(x, weight, offsets, dropped=dropped)
         if bias is None:
             return y
-        return y + (F.pad(bias, (0, 0, 0, 1)) if tail else bias).index_select(0, expert)  # tail rows: expert E
+        return y + (F.pad(bias, (0, 0, 0, 1)) if dropped else bias).index_select(0, expert)  # dropped: expert E
 
     @staticmethod
     def backward(ctx, grad):
@@ -61,15 +61,16 @@ class ExpertLinear(torch.autograd.Function):
             grad_bias = grad.sum(1) if ctx.has_bias and need_bias else None
             return grad_x, grad_weight, grad_bias, None, None, None
         if need_x:
-            grad_x = segment_mm(grad, weight, offsets, transpose=False, tail=ctx.tail)
+            grad_x = segment_mm(grad, weight, offsets, transpose=False, dropped=ctx.dropped)
         eager_cpu = grad.device.type == "cpu" and not traced()
         if need_weight:
             grad_weight = _weight_gradient_cpu(grad, x, offsets, weight) if eager_cpu else segment_outer(grad, x,
                                                                                                           offsets)
         if ctx.has_bias and need_bias:
-            if eager_cpu:
-                experts = weight.shape[0]
-                grad_bias = grad.new_zeros(experts + ctx.tail, weight.shape[1]).index_add_(0, expert, grad)[:experts]
+            if eager_cpu:  # one sum per segment: no scatter-add, whose cost explodes on a busy CPU
+                grad_bias = grad.new_empty(weight.shape[:2])
+                for e, rows in segment_slices(offsets):
+                    torch.sum(grad[rows], 0, out=grad_bias[e])  # no rows: zeros
             else:  # deterministic, and no atomics piling onto E rows as in index_add_ on a GPU
                 grad_bias = segment_sum(grad, offsets)
         return grad_x, grad_weight, grad_bias, None, None, None

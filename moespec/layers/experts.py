@@ -5,10 +5,12 @@
 
 Weights are stacked (`fc1.weight: [E, H, C]`) and only ever used through batched ops (`ExpertLinear`,
 `SegmentGraphs`, in `expert_autograd.py`), whose backward writes one stacked gradient in the weights' layout
-(indexing `weight[e]` per expert would allocate a full-size gradient per expert). The expert steps run the rows
-(sorted by expert, `counts[e]` rows for expert e), all the same function (their table: `steps.py`);
-`steps.set_expert_step` forces one, and "auto" (the default) takes the one `dispatch.auto_step` picks for the
-device, dtype, sizes, counts and whether autograd records the forward:
+(indexing `weight[e]` per expert would allocate a full-size gradient per expert). Routing hands the bank one
+description of its rows (`rows.RoutedRows`: each row's item and gate, the experts' segments, the rows a capacity
+dropped, each item's k rows); the bank's `transport` takes them to the ranks that hold their experts (this bank in
+one process, `transport.py`), and an expert step runs them, all steps the same function (their table:
+`steps/`); `steps.set_expert_step` forces one, and "auto" (the default) takes the one `dispatch.auto_step` picks
+for the device, dtype, sizes, counts and whether autograd records the forward:
 
     grouped_mm  `F.grouped_mm` over the jagged segments, no host sync
     padded      rows scattered into [E, max count, C] and two `bmm`s
@@ -36,8 +38,10 @@ from torch import nn
 from .dispatch import auto_step, equal_segments_step, sync_free
 from .expert_autograd import ExpertLinear
 from .routing import at_least_fp32
+from .rows import RoutedRows, Segments
 from .steps import STEPS, ChoosesStep
-from .steps.base import scatter_weighted
+from .steps.base import combined, gathered
+from .transport import LOCAL
 
 GluOrder = Literal["act_first", "act_last"]  # act(a) * b (SwiGLU)  |  a * act(b) (timm GluMlp default)
 InnerNorm = Literal["none", "layernorm", "layernorm_before_act", "grn"]
@@ -120,6 +124,7 @@ class Experts(ChoosesStep, nn.Module):
         self.fc2 = StackedLinear(num_experts, hidden, out_features, bias=bias[1])
         self.register_buffer("clamp", torch.empty(3, 4) if clamped else None)
         self.step = "auto"  # the expert step: "auto" (the rule) or one forced by `steps.set_expert_step`
+        self.transport = LOCAL  # where the rows go: this bank (`transport.Local`), or over ranks (`AllToAll`)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -153,34 +158,37 @@ class Experts(ChoosesStep, nn.Module):
         return self.fc1.in_features * self.fc1.out_features + self.fc2.in_features * self.fc2.out_features + norm
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor, groups: torch.Tensor | None = None, *,
-                tail: bool = False, step: str | None = None) -> torch.Tensor:
+                dropped: bool = False) -> torch.Tensor:
         """Run expert e on rows `x[offset_e : offset_e + counts[e]]`.
 
         Args:
             x: [S, C] routed items sorted by expert.
-            counts: [E] items per expert (summing to S, or less with `tail`), on x's device.
+            counts: [E] items per expert (summing to S, or less where `dropped`), on x's device.
             groups: [S] image index of each row; needed only by the "grn" inner norm.
-            tail: rows past sum(counts) may follow (pairs a capacity dropped, kept by the sync-free routing
-                for static shapes); their outputs are 0.
-            step: the step `strategy` chose for these rows already (`combine`), or None to choose it here.
+            dropped: rows past sum(counts) follow (pairs a capacity dropped: `rows.Segments`); their outputs
+                are 0.
         Returns:
             [S, C'] expert outputs in the same order.
         """
-        return self._run(step or self.strategy(x, counts), x, counts, groups, tail)
+        return self.transport.run(self, x, Segments(counts, dropped), groups)
 
-    def _run(self, step: str, x: torch.Tensor, counts: torch.Tensor, groups: torch.Tensor | None,
-             tail: bool = False) -> torch.Tensor:
-        """Rows x [S, C] sorted by expert through the step `step` of the table (`steps.STEPS`)."""
+    def run_local(self, x: torch.Tensor, segments: Segments, groups: torch.Tensor | None,
+                  step: str | None = None) -> torch.Tensor:
+        """Rows x [S, C] sorted by this bank's own experts through `step` (None: the one `strategy` picks for
+        them), a step of the table (`steps.STEPS`). A step that reads the counts on the host anyway runs the
+        segments' rows, and the dropped rows after them get 0."""
+        step = step or self.strategy(x, segments.counts)
         runner = STEPS[step]
-        if tail and not runner.static_tail:  # the step reads the counts on the host anyway: run the segments'
-            kept = int(counts.sum())  # rows, pad with 0
-            out = runner.run(self, x[:kept], counts, groups[:kept] if groups is not None else None, False)
+        if segments.dropped and not runner.static_shapes:
+            kept = segments.kept(x.shape[0])
+            out = runner.run(self, x[:kept], Segments(segments.counts), groups[:kept] if groups is not None else None)
             return torch.cat([out, out.new_zeros(x.shape[0] - kept, out.shape[-1])])
-        return runner.run(self, x, counts, groups, tail)
+        return runner.run(self, x, segments, groups)
 
     def strategy(self, x: torch.Tensor, counts: torch.Tensor) -> str:
         """The expert step for rows `x` (`counts` per expert): `step` unless "auto", else `auto_step`'s pick
-        for a forward that autograd records or not (GRN: the loop)."""
+        for a forward that autograd records or not (GRN: the loop). The one chooser: a layer call asks it once
+        (`combine`), or once for the rows it receives from other ranks (`transport`)."""
         return self._step(x.shape[0], x, counts)
 
     def _step(self, rows: int, like: torch.Tensor, counts: torch.Tensor) -> str:
@@ -198,47 +206,46 @@ class Experts(ChoosesStep, nn.Module):
         return auto_step(rows, like.dtype, like.device, counts, self._aligned(like.element_size()),
                          backward=self._records_graph(like))
 
-    def combine(self, items: torch.Tensor, rows: torch.Tensor, counts: torch.Tensor, weights: torch.Tensor,
-                groups: torch.Tensor | None = None, *, tail: bool = False,
-                position: torch.Tensor | None = None) -> torch.Tensor:
-        """The routed experts' part of an MoE layer: y[t] = sum over pairs p with rows[p] = t of
-        weights[p] * expert_p(items[t]); 0 for an item in no pair.
+    def combine(self, items: torch.Tensor, rows: RoutedRows, groups: torch.Tensor | None = None) -> torch.Tensor:
+        """The routed experts' part of an MoE layer: y[t] = sum over the rows r of item t of
+        weights[r] * expert_r(items[t]); 0 for an item in no row.
 
         Args:
             items: [T, C] the layer's items.
-            rows: [P] item of each (item, expert) pair, pairs sorted by expert; counts: [E] pairs per expert.
-            weights: [P] gate value of each pair.
+            rows: the routed rows (`rows.RoutedRows`): each row's item and gate, the experts' segments, and
+                each item's k rows where known.
             groups: [T] image index of each item; needed only by the "grn" inner norm.
-            tail: pairs past sum(counts) follow, with weight 0 (`forward`).
-            position: [T, k] sorted place of each item's k pairs (`Routing.position`), or None.
         Returns:
             [T, C'].
 
         The step is chosen once, here, and its own `combine` runs where it has one: on the sync-free path with
         `position`, the grouped (or forced triton) step with its gather and combine fused; where autograd records
-        nothing, the loop, each expert's segment gathered, run, scaled and added into y in turn while it is in
-        cache. Otherwise the step runs on every gathered row, and the outputs are scaled and scattered back.
+        nothing, the loop, each expert's segment gathered, run and scaled in turn while it is in cache.
+        Otherwise the bank gathers every row, the transport runs the step on them (on the ranks that hold their
+        experts, under expert parallelism), and each item gathers and sums its rows' scaled outputs.
         """
-        step = self._step(rows.shape[0], items, counts)
-        fused = STEPS[step].combine(self, items, rows, counts, weights, groups, position, tail)
+        step = self._step(rows.item.shape[0], items, rows.counts)
+        fused = STEPS[step].combine(self, items, rows, groups)
         if fused is not None:
             return fused
-        # index_select, not items[rows]: faster on CPU, and so is its backward (docs/dispatch.md)
-        out = self(items.index_select(0, rows), counts, groups.index_select(0, rows) if groups is not None else None,
-                   tail=tail, step=step if self.gathers_pairs else None)  # sharded: the local rows choose theirs
-        return scatter_weighted(out, rows, weights, items.shape[0])
+        out = self.transport.run(self, gathered(items, rows), rows.segments,
+                                 groups.index_select(0, rows.item) if groups is not None else None, step)
+        return combined(out, rows, items.shape[0])
 
     def runs_segmentwise(self, items: torch.Tensor) -> bool:
-        """Whether the loop may combine segment by segment (`steps.loop`): autograd records nothing (and, for a
-        sharded bank, it holds every expert)."""
-        return not self._records_graph(items)
-
-    gathers_pairs = True  # the grouped and triton steps may gather and combine the pairs themselves (not sharded)
+        """Whether the loop may combine segment by segment (`steps.loop`): autograd records nothing, and the
+        rows stay on this rank (`transport`)."""
+        return self.transport.local and not self._records_graph(items)
 
     def fuses_pairs(self, position: torch.Tensor | None) -> bool:
-        """Whether a step may fuse the gather and the combine around its matmuls: each item's k pairs are known
-        (`position`), the bank holds its experts, and no step of the FFN needs the images or clamps."""
-        return position is not None and self.gathers_pairs and not self.needs_groups and self.clamp is None
+        """Whether a step may fuse the gather and the combine around its matmuls: each item's k rows are known
+        (`position`), the rows stay on this rank, and no step of the FFN needs the images or clamps."""
+        return position is not None and self.transport.local and not self.needs_groups and self.clamp is None
+
+    @property
+    def first(self) -> int:
+        """The global index of this bank's first expert (0 but under expert parallelism)."""
+        return self.transport.first
 
     def _records_graph(self, x: torch.Tensor) -> bool:
         """Whether autograd records this forward (a backward may follow): grad mode on, and x or a weight
@@ -254,8 +261,9 @@ class Experts(ChoosesStep, nn.Module):
         return all(width * element_size % 16 == 0 for width in widths)
 
     def batched(self, x: torch.Tensor) -> torch.Tensor:
-        """Expert e on every row of x[e]: x [E, M, C] -> [E, M, C'] (Soft MoE's slots; not for GRN experts)."""
-        return self._equal_segments(x)
+        """Expert e on every row of x[e]: x [E, M, C] -> [E, M, C'] (Soft MoE's slots; not for GRN experts),
+        on the ranks that hold the experts (`transport`)."""
+        return self.transport.batched(self, x)
 
     def _equal_segments(self, x: torch.Tensor) -> torch.Tensor:
         """The experts stacked here on x [local_experts, M, C], M rows each, by the forced step or the one
@@ -272,7 +280,7 @@ class Experts(ChoosesStep, nn.Module):
         if step == "padded":
             return self._stacked(x)
         counts = torch.full((experts,), rows, dtype=torch.long, device=x.device)
-        return self._run(step, flat, counts, None).view(experts, rows, -1)
+        return self.run_local(flat, Segments(counts), None, step).view(experts, rows, -1)
 
     def _stacked(self, x: torch.Tensor) -> torch.Tensor:
         """The experts stacked here (`local_experts`) on x [local_experts, M, C]."""
@@ -290,15 +298,17 @@ class Experts(ChoosesStep, nn.Module):
         return out
 
     def _param_list(self) -> list[torch.Tensor | None]:
+        """fc1's weight and bias, the inner norm's, fc2's (None where absent), as the transport hands them to the
+        steps (under expert parallelism, with their gradients scaled: `transport.AllToAll.parameters`)."""
         norm = self.norm
-        return [
+        return self.transport.parameters([
             self.fc1.weight,
             self.fc1.bias,
             norm.weight if norm is not None else None,
             norm.bias if norm is not None else None,
             self.fc2.weight,
             self.fc2.bias,
-        ]
+        ])
 
     @staticmethod
     def _unbind(p: torch.Tensor | None) -> Sequence[torch.Tensor] | None:

@@ -3,12 +3,12 @@ fake (shape) functions, so that a compiled MoE layer has static shapes and no gr
 (torch's own `_grouped_mm` has a fake kernel that takes only bf16 / fp16: torch.compile of an fp32 layer
 stopped in it.)
 
-    segment_mm(x, weight, offsets, transpose, tail)   y[r] = x[r] @ weight[e].T (or weight[e]), r in e's rows
+    segment_mm(x, weight, offsets, transpose, dropped)  y[r] = x[r] @ weight[e].T (or weight[e]), r in e's rows
     segment_outer(a, b, offsets)                       [E, M, N]: sum over e's rows of a[r]^T b[r]
     segment_sum(rows, offsets)                         [E, N]: sum over e's rows of rows[r]
 
 Rows are sorted by expert; expert e owns rows [offsets[e-1], offsets[e]) (offsets int32 [E], on the device:
-no host sync). With `tail`, rows past offsets[-1] (pairs a capacity dropped, kept for static shapes) give 0.
+no host sync). With `dropped`, rows past offsets[-1] (pairs a capacity dropped, `rows.Segments`) give 0.
 
 Each op runs `F.grouped_mm` where this torch has it for the dtype and the strides are 16-byte aligned (on CUDA
 the fast kernels are bf16 on Hopper or newer), else one matmul per segment, which reads the offsets on the
@@ -45,19 +45,19 @@ def segment_slices(offsets: torch.Tensor):
         start = end
 
 
-def _zero_tail(y: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+def _zero_dropped(y: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """y with its rows past offsets[-1] set to 0 (the grouped kernels leave them unwritten)."""
     rows = torch.arange(y.shape[0], device=y.device)
     return y.masked_fill_((rows >= offsets[-1:]).unsqueeze(-1), 0) if offsets.numel() else y.zero_()
 
 
 def _segment_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, transpose: bool,
-                tail: bool) -> torch.Tensor:
+                dropped: bool) -> torch.Tensor:
     w = weight.transpose(1, 2) if transpose else weight  # [E, K, N]
     if _grouped(x, *w.shape[1:]):
         y = F.grouped_mm(x, w, offs=offsets)
-        return _zero_tail(y, offsets) if tail else y
-    y = (x.new_zeros if tail else x.new_empty)(x.shape[0], w.shape[-1])
+        return _zero_dropped(y, offsets) if dropped else y
+    y = (x.new_zeros if dropped else x.new_empty)(x.shape[0], w.shape[-1])
     for e, rows in segment_slices(offsets):
         torch.mm(x[rows], w[e], out=y[rows])
     return y
@@ -77,7 +77,7 @@ if hasattr(torch.library, "custom_op"):  # torch >= 2.4: opaque to torch.compile
     _segment_outer = torch.library.custom_op("moespec::segment_outer", mutates_args=())(_segment_outer)
 
     @_segment_mm.register_fake
-    def _(x, weight, offsets, transpose, tail):
+    def _(x, weight, offsets, transpose, dropped):
         return x.new_empty(x.shape[0], weight.shape[1] if transpose else weight.shape[2])
 
     @_segment_outer.register_fake
@@ -86,10 +86,10 @@ if hasattr(torch.library, "custom_op"):  # torch >= 2.4: opaque to torch.compile
 
 
 def segment_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, *, transpose: bool = True,
-               tail: bool = False) -> torch.Tensor:
+               dropped: bool = False) -> torch.Tensor:
     """[S, N]: row r of x [S, K] times weight[e].T (weight [E, N, K]; `transpose=False`: weight[e], weight
-    [E, K, N]), e the expert whose segment holds r. With `tail`, rows past offsets[-1] give 0."""
-    return _segment_mm(x, weight, offsets, transpose, tail)
+    [E, K, N]), e the expert whose segment holds r. With `dropped`, rows past offsets[-1] give 0."""
+    return _segment_mm(x, weight, offsets, transpose, dropped)
 
 
 def segment_outer(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:

@@ -75,13 +75,12 @@ class MoE(MoELayer):
         if self.experts.needs_groups or (self.shared is not None and self.shared.needs_groups):
             groups = torch.arange(images, device=x.device).repeat_interleave(items_per_image(items.shape[0], images))
         routing = self.router.route(items, images)
-        routing.group = getattr(self.experts, "routing_group", None)  # expert parallel: global aux losses, statistics
+        routing.group = self.experts.transport.group  # expert parallel: global aux losses, statistics
         static = exporting()
         if static:
             y = self._dense_combine(items, routing)
         else:
-            y = self.experts.combine(items, routing.item, routing.counts, routing.weights, groups, tail=routing.tail,
-                                     position=routing.position)
+            y = self.experts.combine(items, routing.rows, groups)
         if self.shared is not None:
             y = y + self.shared.forward_all(items, groups)
         if not static:  # an exported graph is a pure function: no routing state, no aux loss
@@ -309,7 +308,7 @@ def update_bias(model: nn.Module, group=None) -> int:
     for name, layer in model.named_modules():
         balance = getattr(layer.router, "balance", None) if isinstance(layer, MoE) else None
         if balance is not None:
-            own = group if group is not None else getattr(layer.experts, "routing_group", None)
+            own = group if group is not None else layer.experts.transport.group
             by_group.setdefault(own if own is not None else _world(), []).append(balance)
             names[id(balance)] = name
     for own, balances in by_group.items():  # one collective per group, in module order on every rank

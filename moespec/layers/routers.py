@@ -198,7 +198,7 @@ class TopKRouter(ChoiceRouter):
         pairs = group_pairs(experts, weights, self.num_experts, priority=weights[:, 0] if self.bpr else None,
                             capacity=capacity, groups=groups, dispatched=dispatched)
         return Routing(probs, logits, pairs.item, pairs.counts, pairs.weights.to(x.dtype), experts[:, 0], weights[:, 0],
-                       load, pairs.kept, pairs.expert, tail=pairs.tail, position=pairs.position)
+                       load, pairs.kept, pairs.expert, dropped=pairs.dropped, position=pairs.position)
 
     def extra_repr(self) -> str:
         extras = [("normalize=True", self.normalize), (f"noise_std={self.noise_std:g}", self.noise_std > 0),
@@ -304,23 +304,23 @@ class ExpertChoiceRouter(Router):
         expert = expert.expand_as(item)
         item, values, expert = item.reshape(-1), values.reshape(-1), expert.reshape(-1)
         counts = torch.full((experts,), full * (count - 1) + last, dtype=torch.long, device=x.device)
-        tail = False
+        dropped = False
         if last < full:  # keep only the last group's own C choices
             keep = torch.arange(full, device=x.device) < groups.per_group((full, last), x.device).view(-1, 1)
             keep = keep.expand(experts, count, full).reshape(-1)
             if exporting():
                 values, item = values * keep, item.clamp(max=x.shape[0] - 1)
-            elif sync_free(x.device):  # the choices left out after the segments, with weight 0 (`Routing.tail`)
+            elif sync_free(x.device):  # the choices left out after the segments, with weight 0 (`Routing.dropped`)
                 last = kept_first(keep)
                 item, values, expert = item[last].clamp(max=x.shape[0] - 1), (values * keep)[last], expert[last]
-                keep, tail = keep[last], True
+                keep, dropped = keep[last], True
             else:
                 item, values, expert = item[keep], values[keep], expert[keep]
         kept = torch.zeros(x.shape[0], dtype=torch.bool, device=x.device)
-        kept = kept.index_put_((item,), keep, accumulate=True) if tail else kept.index_fill_(0, item, 1)
+        kept = kept.index_put_((item,), keep, accumulate=True) if dropped else kept.index_fill_(0, item, 1)
         top1_value, top1 = probs.max(dim=-1)
         return Routing(probs, logits, item, counts, values.to(x.dtype), top1, top1_value,
-                       counts.float(), kept, expert, tail=tail)
+                       counts.float(), kept, expert, dropped=dropped)
 
     def extra_repr(self) -> str:
         return f"experts={self.num_experts}, capacity={self.capacity_per_item:g}, group={self.group}"

@@ -11,7 +11,8 @@ import torch
 from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
 from .collectives import all_reduce_sum
-from .dispatch import exporting, sync_free
+from .dispatch import exporting
+from .rows import RoutedRows, Segments
 
 
 @dataclass
@@ -30,11 +31,11 @@ class Routing:
         expert: [P] expert of each pair.
         group: the process group of an expert-parallel layer (None in one process): aux losses and statistics
             sum over it (`total`), so that they equal one process's on the whole batch.
-        tail: pairs a capacity or a drop left out follow the experts' segments, with weight 0 (sync-free
-            routing keeps every choice, so that no shape depends on the data); sum(counts) < P then.
-        position: [T, k] where each item's k choices are among the P = T * k sorted pairs (sync-free routing
-            where every item makes k choices: token choice and image routing); None elsewhere. With it, the
-            layer gathers and combines each item's rows without a scatter (`Experts.combine`).
+        dropped: pairs a capacity or a drop left out follow the experts' segments, with weight 0, so that every
+            item keeps its k rows; sum(counts) < P then (`rows.Segments`).
+        position: [T, k] where each item's k choices are among the P = T * k sorted pairs (routing where every
+            item makes k choices: token choice and image routing); None elsewhere. With it, the layer gathers
+            and combines each item's rows without a scatter (`Experts.combine`).
     """
 
     probs: torch.Tensor
@@ -48,12 +49,17 @@ class Routing:
     kept: torch.Tensor
     expert: torch.Tensor | None = None
     group: object = None
-    tail: bool = False
+    dropped: bool = False
     position: torch.Tensor | None = None
 
     @property
     def num_experts(self) -> int:
         return self.probs.shape[-1]
+
+    @property
+    def rows(self) -> RoutedRows:
+        """The routed rows as the experts take them (`rows.RoutedRows`)."""
+        return RoutedRows(self.item, self.weights, Segments(self.counts, self.dropped), self.position)
 
     def total(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
         """Each tensor summed over the ranks of `group` (as it is in one process); differentiable."""
@@ -155,8 +161,8 @@ class Pairs(NamedTuple):
     weights: torch.Tensor  # [P] gate value of each pair
     expert: torch.Tensor  # [P] expert of each pair
     kept: torch.Tensor  # [T] whether the item is in at least one pair (of non-zero weight, when static)
-    tail: bool = False  # pairs left out follow the segments, with weight 0 (`Routing.tail`)
-    position: torch.Tensor | None = None  # [T, k] sorted place of each choice, on the sync-free path
+    dropped: bool = False  # pairs left out follow the segments, with weight 0 (`Routing.dropped`)
+    position: torch.Tensor | None = None  # [T, k] sorted place of each choice (not while exporting)
 
 
 def group_pairs(experts: torch.Tensor, weights: torch.Tensor, num_experts: int, *,
@@ -169,10 +175,10 @@ def group_pairs(experts: torch.Tensor, weights: torch.Tensor, num_experts: int, 
     fill order: first choices before second choices, then by item position, or by `priority` [T] descending
     (BPR).
 
-    The pairs left out are dropped on CPU. On the sync-free path (`dispatch.sync_free`: a GPU, torch.compile)
-    they stay, with weight 0, after the experts' segments (`tail`), so that no shape depends on the data.
-    While `torch.export` traces (`static`), every one of the T * k choices stays in its expert's segment with
-    weight 0 if dropped; the MoE layer then combines densely.
+    The pairs left out stay, with weight 0, after the experts' segments (`dropped`), so that every item keeps
+    its k rows (`position`: the layer combines by gathers) and, on the sync-free path (`dispatch.sync_free`: a
+    GPU, torch.compile), no shape depends on the data. While `torch.export` traces (`static`), every one of the
+    T * k choices stays in its expert's segment with weight 0 if dropped; the MoE layer then combines densely.
     """
     static = exporting()
     tokens, top_k = experts.shape
@@ -207,21 +213,16 @@ def group_pairs(experts: torch.Tensor, weights: torch.Tensor, num_experts: int, 
         item = order // top_k
         kept = torch.zeros(tokens, dtype=torch.bool, device=device).index_put_((item,), keep, accumulate=True)
         return Pairs(item, counts, pair_weights * keep, expert.clamp(max=num_experts - 1), kept)
-    free = sync_free(device)
     if capacity is None and dispatched is None:
         item = order // top_k
         return Pairs(item, counts, pair_weights, expert, _covered(item, tokens),
-                     position=inverse_permutation(order).view(tokens, top_k) if free else None)
-    if free:  # the pairs left out after the segments (a stable sort keeps them grouped by expert)
-        last = kept_first(keep)
-        order, pair_weights, keep = order[last], pair_weights[last] * keep[last], keep[last]
-        item = order // top_k
-        kept = torch.zeros(tokens, dtype=torch.bool, device=device).index_put_((item,), keep, accumulate=True)
-        return Pairs(item, counts, pair_weights, expert[last].clamp(max=num_experts - 1), kept, tail=True,
                      position=inverse_permutation(order).view(tokens, top_k))
-    order, pair_weights, expert = order[keep], pair_weights[keep], expert[keep]
+    last = kept_first(keep)  # the pairs left out after the segments (a stable sort keeps them grouped by expert)
+    order, pair_weights, keep = order[last], pair_weights[last] * keep[last], keep[last]
     item = order // top_k
-    return Pairs(item, counts, pair_weights, expert, _covered(item, tokens))
+    kept = torch.zeros(tokens, dtype=torch.bool, device=device).index_put_((item,), keep, accumulate=True)
+    return Pairs(item, counts, pair_weights, expert[last].clamp(max=num_experts - 1), kept, dropped=True,
+                 position=inverse_permutation(order).view(tokens, top_k))
 
 
 def kept_first(keep: torch.Tensor) -> torch.Tensor:

@@ -122,7 +122,7 @@ def routed_pairs(moe: MoE) -> tuple[Any, float]:
     routing, images = moe.last_routing, moe.last_images
     per_image = moe.last_items // images
     expert = torch.repeat_interleave(torch.arange(moe.num_experts), routing.counts.cpu())
-    image = routing.item.cpu() // per_image
+    image = routing.item.cpu()[:len(expert)] // per_image  # the pairs in segments (not those a capacity dropped)
     pairs = torch.zeros(images, moe.num_experts, dtype=torch.float64)
     pairs.index_put_((image, expert), torch.ones(len(expert), dtype=torch.float64), accumulate=True)
     return pairs, float((~routing.kept).sum())

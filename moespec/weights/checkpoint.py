@@ -29,7 +29,7 @@ from ..io import (
     refuse_existing,
     write_sharded,
 )
-from ..layers.expert_parallel import ExpertParallel, sharded_banks
+from ..layers.transport import sharded_banks
 from ..spec import DENSE_SUFFIXES, Spec, load_spec
 from .dense import check_state_dict, read_state_dict
 
@@ -59,13 +59,13 @@ def save(model: nn.Module, path: str | Path, *, force: bool = False, dtype: torc
     return Path(path)
 
 
-def _save_sharded(model: nn.Module, state: dict[str, torch.Tensor], banks: dict[str, ExpertParallel],
+def _save_sharded(model: nn.Module, state: dict[str, torch.Tensor], banks: dict[str, nn.Module],
                   path: str | Path, spec: Spec, *, force: bool, dtype: torch.dtype | None,
                   max_shard_size: int) -> Path:
     """`save` of a model whose experts are sharded over ranks (a collective): rank 0 writes the file one
     process writes, gathering each expert tensor from the ranks as it reaches it, one at a time."""
     owner = {name: bank for prefix, bank in banks.items() for name in state if name.startswith(prefix + ".")}
-    group = next(iter(banks.values())).group
+    group = next(iter(banks.values())).transport.group
     world, root = dist.get_world_size(group), dist.get_global_rank(group, 0)
     writer = dist.get_rank() == root
     problem = [None]

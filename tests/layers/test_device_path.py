@@ -150,7 +150,7 @@ def test_every_step_gives_zero_for_the_tail_rows(step):
     set_expert_step(bank, step)
     x = torch.randn(10, DIM, requires_grad=True)
     counts = torch.tensor([3, 0, 2, 1])  # 6 rows in segments, 4 in the tail
-    y = bank(x, counts, tail=True)
+    y = bank(x, counts, dropped=True)
     assert y[6:].eq(0).all()
     torch.testing.assert_close(y[:6], bank(x[:6], counts), rtol=1e-5, atol=1e-6)
     y.sum().backward()
@@ -164,10 +164,10 @@ def test_dropped_pairs_follow_the_segments_with_weight_zero():
         routing = layer.router(items, IMAGES)
     host = layer.router(items, IMAGES)
     kept = int(routing.counts.sum())
-    assert routing.tail and routing.item.numel() == items.shape[0] * 2 > kept  # every choice stays
+    assert routing.dropped and routing.item.numel() == items.shape[0] * 2 > kept  # every choice stays
     assert routing.weights[kept:].eq(0).all()
-    torch.testing.assert_close(routing.item[:kept], host.item)
-    torch.testing.assert_close(routing.weights[:kept], host.weights)
+    for name in ("item", "weights", "counts", "position"):  # the same rows on the host's path
+        torch.testing.assert_close(getattr(routing, name), getattr(host, name))
     torch.testing.assert_close(routing.kept, host.kept)
 
 

@@ -8,6 +8,8 @@ import torch
 from torch import nn
 
 from moespec.layers import Experts, set_expert_step
+from moespec.layers.routing import Groups, group_pairs
+from moespec.layers.rows import RoutedRows, Segments
 from moespec.layers.steps import STEPS, available_steps
 
 STRUCTURES = {
@@ -260,8 +262,8 @@ def test_combine_segment_by_segment_equals_the_gathered_step_and_the_sum_by_hand
     groups = torch.tensor([0, 0, 0, 1, 1, 1, 1]) if structure == "grn" else None
     with torch.no_grad():
         assert bank._step(rows.shape[0], items, counts) == "loop" and bank.runs_segmentwise(items)
-        segmentwise = bank.combine(items, rows, counts, weights, groups)
-    gathered = bank.combine(items.requires_grad_(), rows, counts, weights, groups)
+        segmentwise = bank.combine(items, RoutedRows(rows, weights, Segments(counts)), groups)
+    gathered = bank.combine(items.requires_grad_(), RoutedRows(rows, weights, Segments(counts)), groups)
     assert gathered.requires_grad
     torch.testing.assert_close(segmentwise, gathered.detach(), atol=1e-6, rtol=1e-6)
     if structure != "grn":
@@ -270,8 +272,45 @@ def test_combine_segment_by_segment_equals_the_gathered_step_and_the_sum_by_hand
         torch.testing.assert_close(segmentwise, by_hand, atol=1e-5, rtol=1e-5)
     assert segmentwise[4].eq(0).all() and segmentwise[6].eq(0).all()
     with torch.no_grad():  # no pair at all: zeros of the items' shape
-        empty = bank.combine(items, rows[:0], torch.zeros(4, dtype=torch.long), weights[:0], groups)
+        empty = bank.combine(items, RoutedRows(rows[:0], weights[:0], Segments(torch.zeros(4, dtype=torch.long))),
+                             groups)
     assert torch.equal(empty, torch.zeros(7, 12))
+
+
+@pytest.mark.parametrize("step", available_steps())
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
+def test_the_combine_by_gathers_equals_the_scatter_add_with_dropped_rows(step, grad):
+    """Where each item's k rows are known (`position`), `combine` gathers and sums them (forward and backward),
+    as the scatter-add over the rows computes it; the rows a capacity dropped follow the segments with weight 0
+    and add nothing, on CPU too. Top-2 of 4 experts for 10 items, capacity 3: 20 choices, at most 12 kept."""
+    torch.manual_seed(0)
+    bank = set_expert_step(_bank("plain"), step)
+    items = torch.randn(10, 8)
+    choices = torch.randint(0, 4, (10, 2))
+    choices[:, 1] = (choices[:, 0] + 1 + torch.randint(0, 3, (10,))) % 4  # two different experts per item
+    gates = torch.rand(10, 2)
+    pairs = group_pairs(choices, gates, 4, capacity=[3, 3], groups=Groups(1, 10, 10))
+    kept = int(pairs.counts.sum())
+    assert pairs.dropped and pairs.position is not None and kept < 20 == pairs.item.numel()
+    results = []
+    for position in (pairs.position, None):
+        x = items.clone().requires_grad_(grad)
+        w = pairs.weights.clone().requires_grad_(grad)
+        with torch.set_grad_enabled(grad):
+            y = bank.combine(x, RoutedRows(pairs.item, w, Segments(pairs.counts, True), position))
+        if grad:
+            y.square().sum().backward()
+        results.append((y.detach(), x.grad, w.grad))
+    (gathered, *grads), (scattered, *expected) = results
+    torch.testing.assert_close(gathered, scattered, rtol=1e-5, atol=1e-6)
+    for got, want in zip(grads, expected, strict=True):
+        if grad:
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    by_hand = torch.zeros(10, 12)
+    with torch.no_grad():
+        outputs = _by_hand(bank, items[pairs.item[:kept]], pairs.counts.tolist())
+        by_hand.index_add_(0, pairs.item[:kept], pairs.weights[:kept, None] * outputs)
+    torch.testing.assert_close(gathered, by_hand, rtol=1e-5, atol=1e-5)
 
 
 def test_the_loop_without_autograd_keeps_the_dropout_after_fc2():

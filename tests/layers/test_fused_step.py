@@ -156,7 +156,7 @@ def test_the_tail_rows_give_zero_and_take_no_gradient():
     x = torch.randn(10, DIM, requires_grad=True)
     counts = torch.tensor([3, 0, 2, 1])  # 6 rows in segments, 4 in the tail
     set_expert_step(bank, "triton")
-    y = bank(x, counts, tail=True)
+    y = bank(x, counts, dropped=True)
     assert y[6:].eq(0).all()
     set_expert_step(bank, "grouped_mm")
     torch.testing.assert_close(y[:6], bank(x[:6], counts), rtol=1e-5, atol=1e-6)

@@ -10,7 +10,7 @@ from torch import nn
 import moespec
 from moespec.layers import EXPERT_STEPS, Experts, LinearGate, MoE, TopKRouter, set_expert_step
 from moespec.layers import experts as experts_module
-from moespec.layers.steps import available_steps
+from moespec.layers.steps import STEPS, available_steps
 
 from ..conftest import TINY_VIT, make_spec
 
@@ -31,18 +31,19 @@ def test_an_unknown_step_names_the_steps():
 
 @pytest.mark.parametrize("step", available_steps())
 def test_a_forced_step_runs_and_auto_restores_the_rule(step, monkeypatch):
-    """Every bank of a container takes the step; each call runs it (counted at `Experts._run`), and "auto" makes
-    the rule pick again."""
+    """Every bank of a container takes the step; each call runs it (counted at each step's `run`), and "auto"
+    makes the rule pick again."""
     model = nn.Sequential(_layer(), _layer(experts=2, top_k=1))
     ran = []
-    run = Experts._run
-    monkeypatch.setattr(Experts, "_run", lambda self, s, *a, **k: ran.append(s) or run(self, s, *a, **k))
+    for name, runner in STEPS.items():
+        monkeypatch.setattr(runner, "run", lambda *a, _name=name, _run=runner.run: ran.append(_name) or _run(*a))
     x = torch.randn(2, 5, DIM)
     assert set_expert_step(model, step) is model
     assert [m.experts.step for m in model] == [step, step]
-    with torch.no_grad():
-        model(x)
-    assert set(ran) <= {step}  # the segment-by-segment combine of the loop runs no `_run`
+    for grad in (False, True):
+        with torch.set_grad_enabled(grad):
+            model(x)
+    assert set(ran) <= {step}  # the segment-by-segment combine of the loop and the fused ones run no `run`
     set_expert_step(model, "auto")
     assert [m.experts.step for m in model] == ["auto", "auto"]
 

@@ -1,33 +1,36 @@
-"""The interface every expert step implements (one file per step beside this one; the table in `__init__.py`)."""
+"""The interface every expert step implements (one file per step beside this one; the table in `__init__.py`),
+and the gather and the combine around a step that does not fuse them."""
 
 from __future__ import annotations
 
 import torch
 
+from ..expert_autograd import CombinePairs, GatherPairs
+from ..routing import inverse_permutation
+from ..rows import RoutedRows, Segments
+
 
 class ExpertStep:
     """One way to run an `Experts` bank on its routed rows: all steps compute the same function.
 
-    `run` takes the rows sorted by expert (`counts[e]` rows for expert e); rows past sum(counts), the pairs a
-    capacity dropped on the sync-free path, give 0. A step whose shapes must stay static handles them itself
-    (`static_tail`); for the others the bank runs the segments' rows and pads the rest with 0. `combine` may
-    gather the routed pairs' rows and combine their outputs itself (fused around its matmuls); None: the bank
-    gathers, runs and scatters."""
+    `run` takes the rows sorted by expert as `Segments` describes them; a dropped row's output is 0. A step
+    whose shapes must stay static runs the dropped rows itself (`static_shapes`); for the others the bank runs
+    the segments' rows and pads the rest with 0. `combine` may gather the routed pairs' rows and combine their
+    outputs itself (fused around its matmuls); None: the bank gathers, runs and combines (`gathered`,
+    `combined`)."""
 
     name: str
-    static_tail = False  # runs the rows past the segments itself, with no host sync
+    static_shapes = False  # runs the rows past the segments itself, with no host sync
 
     def unavailable(self, bank, like: torch.Tensor) -> str | None:
         """Why this step cannot run `bank` on rows like `like` (device, dtype, training mode), or None."""
         return None
 
-    def run(self, bank, x: torch.Tensor, counts: torch.Tensor, groups: torch.Tensor | None,
-            tail: bool) -> torch.Tensor:
+    def run(self, bank, x: torch.Tensor, segments: Segments, groups: torch.Tensor | None) -> torch.Tensor:
         """[S, C'] outputs of rows x [S, C] sorted by expert."""
         raise NotImplementedError
 
-    def combine(self, bank, items: torch.Tensor, rows: torch.Tensor, counts: torch.Tensor, weights: torch.Tensor,
-                groups: torch.Tensor | None, position: torch.Tensor | None, tail: bool) -> torch.Tensor | None:
+    def combine(self, bank, items: torch.Tensor, rows: RoutedRows, groups: torch.Tensor | None) -> torch.Tensor | None:
         """[T, C'] the weighted sum of each item's expert outputs, where this step fuses the gather and the
         combine (`Experts.combine`'s arguments); None where it does not."""
         return None
@@ -38,6 +41,34 @@ def scaled(out: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     the experts give bfloat16 and the gate weights are float32): one buffer less to allocate."""
     in_place = not (out.requires_grad or weights.requires_grad) and out.dtype == weights.dtype
     return out.mul_(weights) if in_place else out * weights
+
+
+def gathered(items: torch.Tensor, rows: RoutedRows) -> torch.Tensor:
+    """[P, C] the item of each routed row. Where each item's k rows are known (`position`), its backward sums
+    them by a gather (`GatherPairs`), not by index_select's scatter-add."""
+    if rows.position is None:
+        return items.index_select(0, rows.item)  # not items[rows]: faster on CPU, and so is its backward
+    return GatherPairs.apply(items, rows.item, rows.position)
+
+
+def combined(out: torch.Tensor, rows: RoutedRows, tokens: int) -> torch.Tensor:
+    """[tokens, C'] the sum over each item's rows of weight * out (out [P, C'] in row order): a gather of each
+    item's k rows and a sum where `position` gives them (forward and backward by gathers), else a scatter-add.
+    On a busy CPU a scatter-add's cost explodes (its threads wait for each other); a gather's does not."""
+    if rows.position is None:
+        return scatter_weighted(out, rows.item, rows.weights, tokens)
+    position = rows.position
+    flat = position.reshape(-1)
+    weights = rows.weights.index_select(0, flat).view(position.shape)
+    return CombinePairs.apply(out, weights, position, inverse_permutation(flat), None, None)
+
+
+def gather_sum(out: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+    """[T, C'] sum over j of out[position[t, j]]: rows already weighted, autograd recording nothing."""
+    y = out.index_select(0, position[:, 0])
+    for j in range(1, position.shape[1]):
+        y.add_(out.index_select(0, position[:, j]))
+    return y
 
 
 def scatter_weighted(out: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor, items: int) -> torch.Tensor:

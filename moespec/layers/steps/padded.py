@@ -5,18 +5,18 @@ from __future__ import annotations
 
 import torch
 
+from ..rows import Segments
 from .base import ExpertStep
 
 
 class PaddedStep(ExpertStep):
     name = "padded"
 
-    def run(self, bank, x: torch.Tensor, counts: torch.Tensor, groups: torch.Tensor | None,
-            tail: bool) -> torch.Tensor:
+    def run(self, bank, x: torch.Tensor, segments: Segments, groups: torch.Tensor | None) -> torch.Tensor:
         """Rows scattered into a zero-padded [E, M, C] batch (M = the largest segment), batched expert, gathered
         back. Padding rows get zero gradient: their outputs are never gathered."""
-        expert = torch.repeat_interleave(torch.arange(bank.local_experts, device=x.device), counts,
-                                         output_size=x.shape[0])  # expert of each row
+        counts = segments.counts
+        expert = segments.expert_of_rows(x.shape[0])
         slot = torch.arange(x.shape[0], device=x.device) - (torch.cumsum(counts, 0) - counts)[expert]
         width = int(counts.max()) if x.shape[0] else 0
         padded = x.new_zeros(bank.local_experts, width, x.shape[1]).index_put((expert, slot), x)

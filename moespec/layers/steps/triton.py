@@ -9,34 +9,35 @@ import torch
 from ..dispatch import autocast_dtype
 from ..fused import activation, fused_experts, unavailable
 from ..routing import inverse_permutation
+from ..rows import RoutedRows, Segments
 from .base import ExpertStep
 
 
 class TritonStep(ExpertStep):
     name = "triton"
 
-    static_tail = True
+    static_shapes = True
 
-    def run(self, bank, x: torch.Tensor, counts: torch.Tensor, groups: torch.Tensor | None,
-            tail: bool) -> torch.Tensor:
-        return self._fused(bank, x, counts)
+    def run(self, bank, x: torch.Tensor, segments: Segments, groups: torch.Tensor | None) -> torch.Tensor:
+        return self._fused(bank, x, segments)
 
-    def combine(self, bank, items: torch.Tensor, rows: torch.Tensor, counts: torch.Tensor, weights: torch.Tensor,
-                groups: torch.Tensor | None, position: torch.Tensor | None, tail: bool) -> torch.Tensor | None:
+    def combine(self, bank, items: torch.Tensor, rows: RoutedRows, groups: torch.Tensor | None) -> torch.Tensor | None:
         """With `position` [T, k], on the items themselves: the gather in fc1's loads and the gates in fc2's
-        epilogue (None where the bank does not gather its pairs, `Experts.fuses_pairs`)."""
-        return self._fused(bank, items, counts, weights, position) if bank.fuses_pairs(position) else None
+        epilogue (None where the bank's rows travel to other ranks, `Experts.fuses_pairs`)."""
+        if not bank.fuses_pairs(rows.position):
+            return None
+        return self._fused(bank, items, rows.segments, rows.weights, rows.position)
 
     @staticmethod
-    def _fused(bank, items: torch.Tensor, counts: torch.Tensor, weights: torch.Tensor | None = None,
+    def _fused(bank, items: torch.Tensor, segments: Segments, weights: torch.Tensor | None = None,
                position: torch.Tensor | None = None) -> torch.Tensor:
         """The triton step (`fused.fused_experts`) on rows sorted by expert: items [S, C] -> [S, C']; with the
         pairs' `weights` [P] and `position` [T, k] (`combine`), on the items [T, C] themselves -> [T, C'], the
-        gather in fc1's loads and the gates in fc2's epilogue. Rows past sum(counts) (the tail) give 0. Under
+        gather in fc1's loads and the gates in fc2's epilogue. Dropped rows (past the segments) give 0. Under
         autocast, in autocast's dtype."""
         w1, b1, _, _, w2, b2 = bank._param_list()
         order = None if position is None else inverse_permutation(position.reshape(-1))  # sorted row -> t * k + j
-        return fused_experts(items, torch.cumsum(counts, 0).to(torch.int32), w1, b1, w2, b2,
+        return fused_experts(items, segments.ends(), w1, b1, w2, b2,
                              act=activation(bank.act), glu=bank.glu, order=order,
                              top_k=1 if position is None else position.shape[1], gates=weights,
                              dtype=autocast_dtype(items.device) or w1.dtype)
