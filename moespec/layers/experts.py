@@ -191,8 +191,9 @@ class Experts(ChoosesStep, nn.Module):
         (`combine`), or once for the rows it receives from other ranks (`transport`)."""
         return self._step(x.shape[0], x, counts)
 
-    def _step(self, rows: int, like: torch.Tensor, counts: torch.Tensor) -> str:
-        """`strategy` for `rows` rows of `like`'s dtype and device (`like` requiring grad or not)."""
+    def _step(self, rows: int, like: torch.Tensor, counts: torch.Tensor, equal: bool = False) -> str:
+        """`strategy` for `rows` rows of `like`'s dtype and device (`like` requiring grad or not); `equal`:
+        segments of one length (Soft MoE's slots), which `dispatch.equal_segments_step` picks for."""
         if self.step != "auto":
             why = STEPS[self.step].unavailable(self, like)
             if why is not None:
@@ -203,6 +204,9 @@ class Experts(ChoosesStep, nn.Module):
             return "loop"
         if self.step != "auto":
             return self.step
+        if equal:
+            return equal_segments_step(rows // max(1, counts.numel()), like.device,
+                                       backward=self._records_graph(like))
         return auto_step(rows, like.dtype, like.device, counts, self._aligned(like.element_size()),
                          backward=self._records_graph(like))
 
@@ -274,12 +278,10 @@ class Experts(ChoosesStep, nn.Module):
         if sync_free(x.device):  # no choice made on the sizes, no host sync
             return self._stacked(x)
         flat = x.reshape(experts * rows, dim)
-        step = self.step
-        if step == "auto":
-            step = equal_segments_step(rows, x.device, backward=self._records_graph(flat))
+        counts = torch.full((experts,), rows, dtype=torch.long, device=x.device)
+        step = self._step(flat.shape[0], flat, counts, equal=True)
         if step == "padded":
             return self._stacked(x)
-        counts = torch.full((experts,), rows, dtype=torch.long, device=x.device)
         return self.run_local(flat, Segments(counts), None, step).view(experts, rows, -1)
 
     def _stacked(self, x: torch.Tensor) -> torch.Tensor:
