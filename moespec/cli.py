@@ -112,7 +112,7 @@ def _fix_file(file: Path) -> str:
     """`validate --fix` of one spec file: the file a symbolic link names is rewritten (the link stays; the
     returned note says which file changed), and only when it is still what was read (`io.rewrite_file`). A
     file with other names (hard links) or that is read-only is refused, left as it is."""
-    from .io.atomic import rewrite_file  # the io stage imports safetensors; validate needs it only to write
+    from .io.rewrite import rewrite_file  # the io stage imports safetensors; validate needs it only to write
 
     target = Path(os.path.realpath(file)) if file.is_symlink() else file
     status = target.stat()

@@ -20,7 +20,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 
 import moespec
 import moespec.distributed as md
-import moespec.distributed.state as state_module
+import moespec.distributed.state_reading as reading
 from moespec.errors import CheckpointError
 
 from .ep_cases import VIT
@@ -182,15 +182,15 @@ def test_metadata_pointing_outside_its_folder_is_refused(state, tmp_path):
 def test_metadata_larger_than_its_data_is_refused_unread(state, monkeypatch):
     data = (state / "__0_0.distcp").stat().st_size
     with open(state / ".metadata", "r+b") as f:
-        f.truncate(data + state_module.METADATA_SLACK_BYTES + 1)  # sparse: no real bytes written
-    monkeypatch.setattr(state_module._MetadataUnpickler, "load", lambda self: pytest.fail("the metadata was read"))
+        f.truncate(data + reading.METADATA_SLACK_BYTES + 1)  # sparse: no real bytes written
+    monkeypatch.setattr(reading._MetadataUnpickler, "load", lambda self: pytest.fail("the metadata was read"))
     with pytest.raises(CheckpointError, match=rf"bytes of DCP metadata for {data} bytes of data.*not read"):
         _load(state)
 
 
 def test_a_huge_extra_json_is_refused_unread(state):
     with open(state / "extra.json", "r+b") as f:
-        f.truncate(state_module.MAX_JSON_BYTES + 1)
+        f.truncate(reading.MAX_JSON_BYTES + 1)
     with pytest.raises(CheckpointError, match=r"extra\.json: \d+ bytes, over the .*not read"):
         _load(state)
 
