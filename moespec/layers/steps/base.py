@@ -63,11 +63,14 @@ def combined(out: torch.Tensor, rows: RoutedRows, tokens: int) -> torch.Tensor:
     return CombinePairs.apply(out, weights, position, inverse_permutation(flat), None, None)
 
 
-def gather_sum(out: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
-    """[T, C'] sum over j of out[position[t, j]]: rows already weighted, autograd recording nothing."""
-    y = out.index_select(0, position[:, 0])
-    for j in range(1, position.shape[1]):
-        y.add_(out.index_select(0, position[:, j]))
+def weighted_sum(out: torch.Tensor, rows: RoutedRows) -> torch.Tensor:
+    """[T, C'] sum over j of weights[r] * out[r], r = position[t, j] the rows of item t, with autograd recording
+    nothing: one gather, product and sum per choice, on [T, C'] (the products as `scaled` makes them)."""
+    position = rows.position
+    y = None
+    for j in range(position.shape[1]):
+        picked = scaled(out.index_select(0, position[:, j]), rows.weights.index_select(0, position[:, j]).unsqueeze(-1))
+        y = picked if y is None else y.add_(picked)
     return y
 
 

@@ -7,7 +7,7 @@ import torch
 
 from ..expert_autograd import SegmentGraphs, expert_segments
 from ..rows import RoutedRows, Segments
-from .base import ExpertStep, gather_sum, scaled, scatter_weighted
+from .base import ExpertStep, scaled, scatter_weighted, weighted_sum
 
 
 class LoopStep(ExpertStep):
@@ -30,32 +30,37 @@ class LoopStep(ExpertStep):
 
     def combine(self, bank, items: torch.Tensor, rows: RoutedRows, groups: torch.Tensor | None) -> torch.Tensor | None:
         """Where autograd records nothing (and the bank holds its experts: `Experts.runs_segmentwise`), `combine`
-        one expert segment at a time: no [P, C] gathered rows, and each segment's outputs scaled while they are
-        in cache (as transformers' eager Mixtral block does it). Where each item's k rows are known (`position`),
-        the outputs go to their rows and each item gathers and sums its k rows; elsewhere they are added into
-        their items (a scatter-add)."""
+        with the fewest passes: where each item's k rows are known (`position`), the rows gathered once, each
+        expert's whole FFN on its segment in turn, and each item's k outputs gathered, weighted and summed
+        (`weighted_sum`): no op per segment but the FFN's own, which matters on a busy CPU, where every op's
+        threads wait for each other. Elsewhere (expert choice), each segment's rows gathered, run, weighted and
+        added into their items in turn, while they are in cache (as transformers' eager Mixtral block does it)."""
         if not bank.runs_segmentwise(items):
             return None
         params = [bank._unbind(p) for p in bank._param_list()]
-        total = rows.item.shape[0]
-        out = y = None
-        kept = 0
-        for e, segment in expert_segments(rows.counts.tolist()):
+        segments = list(expert_segments(rows.counts.tolist()))
+        if rows.position is not None:
+            x = items.index_select(0, rows.item)
+            rows_groups = groups.index_select(0, rows.item) if groups is not None else None
+            out, kept = None, 0
+            for e, segment in segments:
+                one = bank._expert(x[segment], [p[e] if p is not None else None for p in params],
+                                   rows_groups[segment] if rows_groups is not None else None)
+                if out is None:
+                    out = one.new_empty(x.shape[0], one.shape[-1])
+                out[segment], kept = one, segment.stop
+            if out is not None:
+                out[kept:] = 0  # the dropped rows
+                return weighted_sum(out, rows)
+        y = None
+        for e, segment in segments:
             index = rows.item[segment]
             one = bank._expert(items.index_select(0, index), [p[e] if p is not None else None for p in params],
                                groups.index_select(0, index) if groups is not None else None)
             one = scaled(one, rows.weights[segment].unsqueeze(-1))
-            if rows.position is not None:
-                if out is None:
-                    out = one.new_empty(total, one.shape[-1])
-                out[segment], kept = one, segment.stop
-            else:
-                if y is None:
-                    y = one.new_zeros(items.shape[0], one.shape[-1])
-                y.index_add_(0, index, one)
-        if out is not None:
-            out[kept:] = 0  # the dropped rows
-            return gather_sum(out, rows.position)
+            if y is None:
+                y = one.new_zeros(items.shape[0], one.shape[-1])
+            y.index_add_(0, index, one)
         if y is None:  # no pair: the empty outputs' dtype, as the other steps give it
             return scatter_weighted(items.new_empty(0, bank.out_features), rows.item[:0], rows.weights[:0],
                                     items.shape[0])
