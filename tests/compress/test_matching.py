@@ -1,0 +1,38 @@
+"""The Hungarian assignment against brute force, unit matching of permuted experts, and the clustering."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import torch
+
+from moespec.compress.matching import assignment, cluster, match_units
+
+
+def test_assignment_is_the_brute_force_optimum():
+    rng = np.random.default_rng(0)
+    for n in (1, 2, 3, 5, 6):
+        for _ in range(20):
+            cost = rng.normal(size=(n, n)).round(1)  # ties included
+            p = assignment(cost)
+            best = min(sum(cost[i, q[i]] for i in range(n)) for q in itertools.permutations(range(n)))
+            assert sorted(p.tolist()) == list(range(n))
+            assert abs(sum(cost[i, p[i]] for i in range(n)) - best) < 1e-9
+
+
+def test_match_units_undoes_a_permutation():
+    torch.manual_seed(0)
+    anchor = torch.randn(64, 20)
+    shuffle = torch.randperm(64)
+    other = anchor[shuffle]
+    p = match_units(anchor, other)
+    assert torch.equal(other[p], anchor)
+
+
+def test_cluster_groups_the_closest_items():
+    points = torch.tensor([[1.0, 0.0], [0.99, 0.1], [0.0, 1.0], [0.1, 0.99], [-1.0, 0.0]])
+    similarity = torch.nn.functional.normalize(points, dim=1) @ torch.nn.functional.normalize(points, dim=1).T
+    assert cluster(similarity, 3) == [[0, 1], [2, 3], [4]]
+    assert cluster(similarity, 5) == [[0], [1], [2], [3], [4]]
+    assert cluster(similarity, 1) == [[0, 1, 2, 3, 4]]
