@@ -8,7 +8,10 @@
     matching.py     weight matching (Hungarian) and clustering;  surgery.py: the new spec and model
 """
 
+from .densify import densify, densify_with_report
+from .merge import merge, merge_with_report
 from .prune import prune, prune_with_report
 from .report import CompressReport, LayerChange
 
-__all__ = ["CompressReport", "LayerChange", "prune", "prune_with_report"]
+__all__ = ["CompressReport", "LayerChange", "densify", "densify_with_report", "merge", "merge_with_report", "prune",
+           "prune_with_report"]

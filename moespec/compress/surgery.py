@@ -98,8 +98,7 @@ def router_rows(layer: MoE) -> set[str]:
 
 def expert_names(layer: MoE) -> set[str]:
     """Names (within the layer) of the routed experts' stacked tensors [E, ...]."""
-    return {f"experts.{name}" for name, tensor in layer.experts.state_dict().items()
-            if tensor.dim() >= 1 and tensor.shape[0] == layer.experts.num_experts and name != "clamp"}
+    return {f"experts.{name}" for name in expert_state(layer.experts, 0)}
 
 
 # The hidden-unit view of one expert (the bank's names without the expert axis): fc1's rows (both halves of a
@@ -144,7 +143,8 @@ def unit_features(state: dict[str, torch.Tensor], hidden: int) -> torch.Tensor:
     return torch.cat(columns, dim=1)
 
 
-def expert_state(layer: MoE, expert: int) -> dict[str, torch.Tensor]:
-    """Expert `expert`'s tensors (bank names, no expert axis), detached, on the CPU."""
-    return {name[len("experts."):]: layer.state_dict()[name][expert].detach().cpu()
-            for name in expert_names(layer)}
+def expert_state(bank: nn.Module, expert: int) -> dict[str, torch.Tensor]:
+    """Expert `expert` of an `Experts` bank (routed or shared): its tensors (bank names, no expert axis),
+    detached, on the CPU."""
+    return {name: tensor[expert].detach().cpu() for name, tensor in bank.state_dict().items()
+            if tensor.dim() >= 1 and tensor.shape[0] == bank.num_experts and name != "clamp"}

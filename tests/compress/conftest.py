@@ -7,14 +7,15 @@ import torch
 
 import moespec
 
-DIM = 384  # vit_small's width
+DIM = 96  # the tiny ViT's width (embed_dim), MLP hidden 4 * 96 = 384
 
 
 def tiny_spec(experts: int = 4, top_k: int = 2, normalize: bool = True, **group) -> moespec.Spec:
-    """A 2-block ViT-S/16 at 32 px (4 patches + CLS), one MoE layer in block 1."""
+    """A 2-block ViT/16 of width 96 (3 heads) at 32 px (4 patches + CLS), one MoE layer in block 1."""
     return moespec.load_spec({
         "name": "tiny",
-        "backbone": {"model": "vit_small_patch16_224", "kwargs": {"depth": 2, "img_size": 32, "num_classes": 10}},
+        "backbone": {"model": "vit_small_patch16_224", "kwargs": {"depth": 2, "img_size": 32, "num_classes": 10,
+                                                                      "embed_dim": DIM, "num_heads": 3}},
         "input_size": [3, 32, 32],
         "moe": [{"where": {"blocks": [1]}, "experts": experts,
                  "router": {"kind": "topk", "top_k": top_k, "normalize": normalize}, **group}],
