@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..errors import MoespecError
 from ..layers import MoE
 from .calibration import LayerCalibration, calibrate, calibration_images
 from .matching import cluster, match_units
@@ -54,6 +55,9 @@ def usage(record: LayerCalibration) -> torch.Tensor:
 @torch.no_grad()
 def similarity(layer: MoE, record: LayerCalibration, by: By) -> torch.Tensor:
     """[E, E] cosine similarity of the experts' outputs on the sampled items, or of their router rows."""
+    if by == "output" and layer.experts.needs_groups:
+        raise MoespecError("merge: grouping by output runs every expert on the same items, which GRN experts "
+                           "(normalized per image over the positions they receive) cannot; group by router")
     if by == "router":
         rows = layer.router.gate.weight.detach().double()
     else:
@@ -104,12 +108,12 @@ def fit_router(old: MoE, new: MoE, record: LayerCalibration, groups: list[list[i
     inputs = record.sample("gate_inputs").to(new.experts.fc1.weight)
     if inputs.numel() == 0:
         return float("nan")
-    group_of = torch.empty(old.num_experts, dtype=torch.long)
+    group_of = torch.empty(old.num_experts, dtype=torch.long, device=inputs.device)
     for g, members in enumerate(groups):
         group_of[members] = g
     with torch.no_grad():
         old_logits = old.router.gate(inputs).double()
-        target = torch.zeros(inputs.shape[0], len(groups), dtype=torch.float64).index_add_(
+        target = old_logits.new_zeros(inputs.shape[0], len(groups)).index_add_(
             1, group_of, old_logits.softmax(-1))
     weights = new.router_weights()
     saved = [w.requires_grad for w in weights]
@@ -135,7 +139,7 @@ def merge_with_report(model: nn.Module, images: Images, into: int | float, *, by
     layers = sparse_layers(model, "merge")
     counts = {path: kept_count(into, layer, path, "merge", "into") for path, layer in layers.items()}
     if by not in ("output", "router"):
-        raise ValueError(f"by must be output or router, got {by!r}")
+        raise MoespecError(f"by must be output or router, got {by!r}")
     batch = calibration_images(model, images)
     records, logits = calibrate(model, batch)
     merged = {path: merge_layer(layer, records[path], counts[path], by) for path, layer in layers.items()}
@@ -148,7 +152,7 @@ def merge_with_report(model: nn.Module, images: Images, into: int | float, *, by
         if name in expert_names(layers[path]):
             return experts[name[len("experts."):]].to(old.dtype)
         if name in router_rows(layers[path]):
-            return torch.einsum("ne,e...->n...", combine, old.double()).to(old.dtype)
+            return torch.einsum("ne,e...->n...", combine, old.double().cpu()).to(old.dtype)
         return None
 
     new = rebuilt(model, spec, layer_state)
