@@ -8,8 +8,8 @@
              products of the units' weights (fc1 rows, fc1 bias, inner norm, fc2 column; `matching.py`)
     average  the aligned experts weighted by usage (their loads on the images; equal where a group has none)
     router   each merged expert's rows (gate rows or codes, balancing bias) are its group's, usage-weighted; then
-             the gate is fitted on the calibration items so that a merged expert gets the probability mass its
-             group had (KL to the summed group probabilities): it is chosen where its group was
+             the gate is fitted on the calibration items (cross-entropy) so that an item's top-1 merged expert is
+             the group of its old top-1: a merged expert is chosen where its group was
 
 Exact where it must be: experts that compute the same function (identical, or identical up to an order of their
 hidden units) merge into that function, and under a normalized router (whose weights sum to 1) no output changes.
@@ -101,36 +101,41 @@ def merge_layer(layer: MoE, record: LayerCalibration, into: int, by: By
     return groups, combine, stacked
 
 
-def fit_router(old: MoE, new: MoE, record: LayerCalibration, groups: list[list[int]]) -> float:
-    """Fit `new`'s gate (its router weights) so that softmax over the merged experts matches each group's summed
-    probability under `old`'s gate, on the sampled router inputs; returns the share of inputs whose top-1 merged
-    expert is the group of their old top-1 (the routing agreement)."""
+def fit_router(old: MoE, new: MoE, record: LayerCalibration, groups: list[list[int]]) -> tuple[float, float]:
+    """Fit `new`'s gate (its router weights, started at the usage-weighted rows) so that each sampled router input
+    picks, as its top-1 merged expert, the group of its old top-1 expert: `FIT_STEPS` Adam steps of cross-entropy
+    on those labels. Returns the routing agreement (the share of inputs whose new top-1 is the group of their old
+    top-1) before and after; the rows that agree more are kept."""
     inputs = record.sample("gate_inputs").to(new.experts.fc1.weight)
     if inputs.numel() == 0:
-        return float("nan")
+        return float("nan"), float("nan")
     group_of = torch.empty(old.num_experts, dtype=torch.long, device=inputs.device)
     for g, members in enumerate(groups):
         group_of[members] = g
     with torch.no_grad():
-        old_logits = old.router.gate(inputs).double()
-        target = old_logits.new_zeros(inputs.shape[0], len(groups)).index_add_(
-            1, group_of, old_logits.softmax(-1))
+        labels = group_of[old.router.gate(inputs).argmax(-1)]
     weights = new.router_weights()
-    saved = [w.requires_grad for w in weights]
+    start = [w.detach().clone() for w in weights]
+
+    def agreement() -> float:
+        with torch.no_grad():
+            return (new.router.gate(inputs).argmax(-1) == labels).double().mean().item()
+
+    before = agreement()
     optimizer = torch.optim.Adam(weights, lr=1e-3)
     with torch.enable_grad():
-        for w in weights:
-            w.requires_grad_(True)
         for _ in range(FIT_STEPS):
             optimizer.zero_grad()
-            loss = F.kl_div(new.router.gate(inputs).double().log_softmax(-1), target, reduction="batchmean")
-            loss.backward()
+            F.cross_entropy(new.router.gate(inputs).float(), labels).backward()
             optimizer.step()
-    for w, flag in zip(weights, saved, strict=True):
-        w.requires_grad_(flag)
-    with torch.no_grad():
-        agree = new.router.gate(inputs).argmax(-1) == group_of[old_logits.argmax(-1)]
-    return agree.double().mean().item()
+    for w in weights:
+        w.grad = None
+    after = agreement()
+    if after < before:
+        with torch.no_grad():
+            for w, value in zip(weights, start, strict=True):
+                w.copy_(value)
+    return before, max(before, after)
 
 
 def merge_with_report(model: nn.Module, images: Images, into: int | float, *, by: By = "output",
@@ -160,9 +165,10 @@ def merge_with_report(model: nn.Module, images: Images, into: int | float, *, by
     if fit:
         new_layers = {path: layer for path, layer in new.named_modules() if path in merged}
         for path, layer in new_layers.items():
-            agreement = fit_router(layers[path], layer, records[path], merged[path][0])
-            notes.append(f"{path}: router fitted; its top-1 is the group of the old top-1 for {100 * agreement:.1f}% "
-                         f"of {len(records[path].sample('gate_inputs'))} sampled router inputs")
+            before, after = fit_router(layers[path], layer, records[path], merged[path][0])
+            notes.append(f"{path}: the router's top-1 is the group of the old top-1 for {100 * after:.1f}% of "
+                         f"{len(records[path].sample('gate_inputs'))} sampled router inputs ({100 * before:.1f}% "
+                         f"with the averaged rows, before the fit)")
     again = compare_on is not None
     checked = calibration_images(model, compare_on) if again else batch
     changes = {path: (layers[path].num_experts, groups) for path, (groups, _, _) in merged.items()}

@@ -51,8 +51,8 @@ class CompressReport:
             lines.append(f"{self.operation}: no images given; nothing measured")
         for layer in self.layers:
             after = f"{layer.experts_after} experts" if layer.experts_after else "dense FFN"
-            made = "" if not layer.experts_after else " from " + " ".join(
-                "+".join(map(str, group)) for group in layer.sources)
+            word = " kept " if self.operation == "prune" else " from "
+            made = "" if not layer.experts_after else word + " ".join("+".join(map(str, g)) for g in layer.sources)
             lines.append(f"{layer.path}: {layer.experts_before} experts -> {after}{made}")
             if layer.load_before:
                 lines.append(f"  load before: {_shares(layer.load_before)}")
