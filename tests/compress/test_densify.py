@@ -14,6 +14,7 @@ from moespec.errors import MoespecError
 
 from .conftest import tiny_spec
 
+EVA = {"model": "eva02_tiny_patch14_224", "kwargs": {"depth": 2, "img_size": 28, "num_classes": 10}}  # GluMlp
 CONVNEXT = {"model": "convnext_tiny", "kwargs": {"depths": [1, 1, 1, 1], "dims": [16, 32, 48, 64], "num_classes": 10}}
 
 
@@ -30,11 +31,14 @@ def dense_and_upcycled(tmp_path, spec: moespec.Spec):
     return dense.eval(), moespec.upcycle(spec, tmp_path / "dense.safetensors")
 
 
-@pytest.mark.parametrize("backbone", ["vit", "convnext"])
+@pytest.mark.parametrize("backbone", ["vit", "convnext", "eva"])
 def test_densifying_a_freshly_upcycled_model_gives_the_dense_model(tmp_path, images, backbone):
     spec = tiny_spec(experts=4, top_k=2, normalize=True)
-    if backbone == "convnext":
-        spec = moespec.load_spec({"backbone": CONVNEXT, "input_size": [3, 32, 32],
+    if backbone != "vit":
+        side = 32 if backbone == "convnext" else 28
+        images = images[..., :side, :side]
+        backbone = CONVNEXT if backbone == "convnext" else EVA
+        spec = moespec.load_spec({"backbone": backbone, "input_size": [3, side, side],
                                   "moe": [{"where": {"last": 2}, "experts": 4,
                                            "router": {"top_k": 2, "normalize": True}}]})
     dense, upcycled = dense_and_upcycled(tmp_path, spec)

@@ -36,3 +36,19 @@ def test_cluster_groups_the_closest_items():
     assert cluster(similarity, 3) == [[0, 1], [2, 3], [4]]
     assert cluster(similarity, 5) == [[0], [1], [2], [3], [4]]
     assert cluster(similarity, 1) == [[0, 1, 2, 3, 4]]
+
+
+def test_a_gated_experts_halves_move_together():
+    """GLU: fc1's rows are [gate; value] halves of H units each; unit h is row h of both halves."""
+    from moespec.compress.surgery import permuted, unit_features
+
+    hidden, torch_gen = 16, torch.Generator().manual_seed(0)
+    state = {"fc1.weight": torch.randn(2 * hidden, 8, generator=torch_gen),
+             "fc1.bias": torch.randn(2 * hidden, generator=torch_gen),
+             "fc2.weight": torch.randn(8, hidden, generator=torch_gen), "fc2.bias": torch.randn(8, generator=torch_gen)}
+    order = torch.randperm(hidden, generator=torch_gen)
+    shuffled = permuted(state, order, hidden)
+    assert torch.equal(shuffled["fc1.weight"][hidden:], state["fc1.weight"][hidden:][order])
+    assert torch.equal(shuffled["fc2.bias"], state["fc2.bias"])
+    back = permuted(shuffled, match_units(unit_features(state, hidden), unit_features(shuffled, hidden)), hidden)
+    assert all(torch.equal(back[name], state[name]) for name in state)
