@@ -30,7 +30,7 @@ from ..spec import load_spec
 from .calibration import calibrate, calibration_images
 from .merge import aligned_average
 from .report import CompressReport, compare
-from .surgery import expert_state, spec_of
+from .surgery import expert_state, refuse_sharded, spec_of
 
 How = Literal["average", "top"]
 Images = torch.Tensor | str | Path
@@ -118,6 +118,7 @@ def densify_with_report(model: nn.Module, images: Images | None = None, *, how: 
     layers = moe_layers(model)
     if not layers:
         raise MoespecError("densify: the model has no MoE layers; it is dense already")
+    refuse_sharded(layers, "densify")
     for path, layer in layers.items():
         if not isinstance(layer, MoE):
             raise MoespecError(f"densify: {path} ({layer.plan.router.title}) cannot be densified: its experts see "

@@ -30,6 +30,7 @@ def sparse_layers(model: nn.Module, operation: str) -> dict[str, MoE]:
     layers = moe_layers(model)
     if not layers:
         raise MoespecError(f"{operation}: the model has no MoE layers")
+    refuse_sharded(layers, operation)
     for path, layer in layers.items():
         router = layer.plan.router
         reason = router.fixed_experts
@@ -42,6 +43,15 @@ def sparse_layers(model: nn.Module, operation: str) -> dict[str, MoE]:
             raise MoespecError(f"{operation}: {path} ({router.title}, moe.{layer.plan.group}) cannot be "
                                f"{operation}d: {reason}")
     return layers
+
+
+def refuse_sharded(layers: dict[str, nn.Module], operation: str) -> None:
+    """Experts sharded over ranks (expert parallelism) are refused: each rank holds only some of them."""
+    for path, layer in layers.items():
+        if layer.experts.local_experts != layer.experts.num_experts:
+            raise MoespecError(f"{operation}: {path}: this rank holds {layer.experts.local_experts} of its "
+                               f"{layer.experts.num_experts} experts (expert parallelism); save the model and "
+                               f"{operation} the checkpoint in one process")
 
 
 def spec_of(model: nn.Module) -> Spec:

@@ -77,3 +77,10 @@ def test_the_cost_is_measured_on_the_images_given_for_it(images):
     model = moespec.create_model(tiny_spec(), seed=0)
     _, report = prune_with_report(model, images, keep=2, compare_on=images[:2])
     assert report.images == 2
+
+
+def test_the_public_api_names_them():
+    import moespec.compress
+
+    assert (moespec.prune, moespec.merge, moespec.densify) == (
+        moespec.compress.prune, moespec.compress.merge, moespec.compress.densify)
