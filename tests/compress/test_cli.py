@@ -47,6 +47,7 @@ def test_prune_writes_a_checkpoint_of_the_new_spec(workspace, tmp_path):
     assert again.exit_code == 2 and "exists" in again.output
 
 
+@pytest.mark.slow
 def test_merge_and_densify(workspace, tmp_path):
     merged = invoke("merge", workspace / "moe.safetensors", "--images", workspace / "images", "--into", "0.5",
                     "-o", tmp_path / "m.safetensors")

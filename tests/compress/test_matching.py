@@ -52,3 +52,24 @@ def test_a_gated_experts_halves_move_together():
     assert torch.equal(shuffled["fc2.bias"], state["fc2.bias"])
     back = permuted(shuffled, match_units(unit_features(state, hidden), unit_features(shuffled, hidden)), hidden)
     assert all(torch.equal(back[name], state[name]) for name in state)
+
+
+def test_cluster_is_average_linkage():
+    """Against a direct average-linkage clustering (the mean similarity of every pair across two clusters,
+    recomputed from the items at each step) on random similarities."""
+
+    def direct(similarity, groups):
+        clusters = [[i] for i in range(similarity.shape[0])]
+        while len(clusters) > groups:
+            pairs = [(a, b) for a in range(len(clusters)) for b in range(a + 1, len(clusters))]
+            a, b = max(pairs, key=lambda p: similarity[clusters[p[0]]][:, clusters[p[1]]].mean().item())
+            clusters[a] = sorted(clusters[a] + clusters[b])
+            del clusters[b]
+        return sorted(clusters)
+
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        points = torch.randn(9, 4, generator=generator)
+        similarity = points @ points.T
+        for groups in (1, 3, 5, 9):
+            assert cluster(similarity, groups) == direct(similarity, groups)
