@@ -1,5 +1,6 @@
-"""moespec.densify: a freshly upcycled model densifies into the dense model it came from, logit for logit; the
-result is the plain timm model (strict load); shared experts fold in where the dense FFN has room."""
+"""moespec.densify: a freshly upcycled model densifies into the dense model it came from, logit for logit (plain,
+channels-last, gated FFNs, and TinyViT's with a `pre` norm); the result is the plain timm model (strict load);
+shared experts fold in where the dense FFN has room."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from moespec.errors import MoespecError
 from .conftest import tiny_spec
 
 EVA = {"model": "eva02_tiny_patch14_224", "kwargs": {"depth": 2, "img_size": 28, "num_classes": 10}}  # GluMlp
+TINY_VIT = {"model": "tiny_vit_5m_224", "kwargs": {"depths": [1, 1, 1, 1], "num_classes": 10}}  # NormMlp: pre
 CONVNEXT = {"model": "convnext_tiny", "kwargs": {"depths": [1, 1, 1, 1], "dims": [16, 32, 48, 64], "num_classes": 10}}
 
 
@@ -31,13 +33,13 @@ def dense_and_upcycled(tmp_path, spec: moespec.Spec):
     return dense.eval(), moespec.upcycle(spec, tmp_path / "dense.safetensors")
 
 
-@pytest.mark.parametrize("backbone", ["vit", "convnext", "eva"])
+@pytest.mark.parametrize("backbone", ["vit", "convnext", "eva", pytest.param("tinyvit", marks=pytest.mark.slow)])
 def test_densifying_a_freshly_upcycled_model_gives_the_dense_model(tmp_path, images, backbone):
     spec = tiny_spec(experts=4, top_k=2, normalize=True)
     if backbone != "vit":
-        side = 32 if backbone == "convnext" else 28
-        images = images[..., :side, :side]
-        backbone = CONVNEXT if backbone == "convnext" else EVA
+        side = {"convnext": 32, "eva": 28, "tinyvit": 64}[backbone]
+        images = torch.randn(2, 3, side, side) if side > 32 else images[..., :side, :side]
+        backbone = {"convnext": CONVNEXT, "eva": EVA, "tinyvit": TINY_VIT}[backbone]
         spec = moespec.load_spec({"backbone": backbone, "input_size": [3, side, side],
                                   "moe": [{"where": {"last": 2}, "experts": 4,
                                            "router": {"top_k": 2, "normalize": True}}]})
