@@ -92,7 +92,8 @@ def dense_ffn(layer: MoE, path: str, template: dict[str, torch.Tensor], merged: 
             index = index.flatten()
             if not bool((index == index.round()).all()) or index.min() < 0 or index.max() >= offset:
                 raise MoespecError(f"densify: {path}: the {plan.family} experts are not a selection of the dense "
-                                   f"FFN's weights; densify cannot map them back")
+                                   f"FFN's weights (upcycling folds a BatchNorm into their projections), so densify "
+                                   f"cannot put them back into the FFN's modules")
             index, value = index.long(), values[name].double().flatten()
             flat.index_add_(0, index, value) if add else flat.index_copy_(0, index, value)
             covered[index] = True

@@ -84,3 +84,12 @@ def test_the_public_api_names_them():
 
     assert (moespec.prune, moespec.merge, moespec.densify) == (
         moespec.compress.prune, moespec.compress.merge, moespec.compress.densify)
+
+
+def test_experts_with_a_folded_batchnorm_are_not_densified(images):
+    spec = moespec.load_spec({"backbone": {"model": "repvit_m0_9", "kwargs": {"num_classes": 10}},
+                              "input_size": [3, 64, 64],
+                              "moe": [{"where": {"last": 1}, "experts": 2, "router": {"normalize": True}}]})
+    with pytest.raises(MoespecError, match=r"the RepVitMlp experts are not a selection of the dense FFN's weights "
+                                           r"\(upcycling folds a BatchNorm into their projections\)"):
+        densify(moespec.create_model(spec, seed=0))
