@@ -23,14 +23,14 @@ import torch
 from torch import nn
 
 from ..backbones import adapter_named
-from ..compiler import create_model, moe_layers
+from ..compiler import moe_layers
 from ..errors import MoespecError
 from ..layers import MoE
 from ..spec import load_spec
 from .calibration import calibrate, calibration_images
 from .merge import aligned_average
 from .report import CompressReport, compare
-from .surgery import expert_state, refuse_sharded, spec_of
+from .surgery import build_like, expert_state, refuse_sharded, spec_of
 
 How = Literal["average", "top"]
 Images = torch.Tensor | str | Path
@@ -126,7 +126,7 @@ def densify_with_report(model: nn.Module, images: Images | None = None, *, how: 
                                f"slots that mix all the tokens, which no per-token FFN computes")
     batch = calibration_images(model, images) if images is not None else None
     records, logits = calibrate(model, batch) if batch is not None else ({}, None)
-    dense = create_model(spec)
+    dense = build_like(model, spec)
     state = model.state_dict()
     notes = [f"experts: {'usage-weighted average, aligned' if how == 'average' else 'the most used one'}"
              + ("" if batch is not None else " (equal weights: no images)")]

@@ -20,7 +20,7 @@ from ..errors import MoespecError
 from ..layers import MoE
 from ..layers.routers import ChoiceRouter
 from ..spec import Spec, load_spec
-from ..weights.checkpoint import spec_of_head
+from ..weights.checkpoint import POOL_KEY, spec_of_head
 
 
 def sparse_layers(model: nn.Module, operation: str) -> dict[str, MoE]:
@@ -63,6 +63,16 @@ def spec_of(model: nn.Module) -> Spec:
     return spec_of_head(model, spec)[0]
 
 
+def build_like(model: nn.Module, spec: Spec) -> nn.Module:
+    """The model of `spec` (fresh weights), with the pooling `model`'s head has now where `reset_classifier` changed
+    it after the build (as `weights.save` records it)."""
+    new = create_model(spec)
+    pool = spec_of_head(model, model.moespec_spec)[1].get(POOL_KEY)
+    if pool is not None:
+        new.reset_classifier(new.num_classes, global_pool=pool)
+    return new
+
+
 def new_spec(spec: Spec, experts: dict[int, int], suffix: str) -> Spec:
     """`spec` with `experts[g]` routed experts in MoE group g (`upcycle.experts_from`, one source per old expert,
     dropped: the experts are no longer the upcycled ones) and its name followed by `suffix`."""
@@ -84,7 +94,7 @@ def rebuilt(model: nn.Module, spec: Spec, layer_state: Callable[[str, str, torch
     `layer_state(path, name, old)` gives the new tensor of an MoE layer's tensor (`name` within the layer at
     `path`), or None to copy it. On `model`'s device, in its mode; `model` is left as it is."""
     device = next(model.parameters()).device
-    new = create_model(spec)
+    new = build_like(model, spec)
     old_state = model.state_dict()
     paths = sorted(moe_layers(model), key=len, reverse=True)
     with torch.no_grad():

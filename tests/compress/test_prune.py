@@ -87,3 +87,15 @@ def test_a_bad_keep_is_one_clear_error(images, keep, message):
     model = moespec.create_model(tiny_spec(), seed=0)
     with pytest.raises(MoespecError, match=message.replace("(", r"\(").replace(")", r"\)")):
         prune(model, images, keep=keep)
+
+
+def test_a_head_changed_after_the_build_is_kept(images):
+    """A fine-tune's `reset_classifier` (5 classes, average pooling) is in the new model and in its spec."""
+    model = moespec.create_model(tiny_spec(), seed=0).eval()
+    model.reset_classifier(5, global_pool="avg")
+    pruned = prune(model, images, keep=2)
+    assert pruned.num_classes == 5 and pruned.global_pool == "avg"
+    assert pruned.moespec_spec.backbone.kwargs["num_classes"] == 5
+    assert pruned.eval()(images).shape == (6, 5)
+    dense = moespec.densify(model)
+    assert dense.num_classes == 5 and dense.global_pool == "avg"
