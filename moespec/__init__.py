@@ -3,7 +3,8 @@
     spec.yaml -> load_spec -> plan -> create_model (fx rewrite) -> upcycle -> stats / save
 
 One subpackage per stage, in dependency order: `spec`, `backbones`, `planning`, `compiler`, `io`, `weights`,
-`counting`, `apps`; `layers` holds the modules, `routers` one file per router kind.
+`counting`, `compress` (prune, merge, densify a trained model), `apps`; `layers` holds the modules, `routers` one
+file per router kind.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Stage 8, compress: a trained MoE made smaller or simpler, measured on images.
+"""After counting, before the apps: compress, a trained MoE made smaller or simpler, measured on images.
 
     calibration.py  route calibration images; per layer: loads, REAP scores, samples of items
     prune.py        keep the best N experts of each layer
