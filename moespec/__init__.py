@@ -3,7 +3,8 @@
     spec.yaml -> load_spec -> plan -> create_model (fx rewrite) -> upcycle -> stats / save
 
 One subpackage per stage, in dependency order: `spec`, `backbones`, `planning`, `compiler`, `io`, `weights`,
-`counting`, `apps`; `layers` holds the modules, `routers` one file per router kind.
+`counting`, `compress` (prune, merge, densify a trained model), `apps`; `layers` holds the modules, `routers` one
+file per router kind.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ if TYPE_CHECKING:
     from .apps.optimizer import optimizer_groups
     from .apps.timm_registry import register_timm
     from .compiler import create_model, moe_layers, plan_of
+    from .compress import densify, merge, prune
     from .counting import fvcore_handles, stats
     from .layers.moe import aux_loss, follow_grad_scaler, update_bias, update_bias_on_step
     from .layers.steps import set_expert_step
@@ -33,6 +35,7 @@ if TYPE_CHECKING:
 _LAZY = {
     "optimizer_groups": "apps.optimizer", "register_timm": "apps.timm_registry",
     "create_model": "compiler", "moe_layers": "compiler", "plan_of": "compiler",
+    "densify": "compress", "merge": "compress", "prune": "compress",
     "fvcore_handles": "counting", "stats": "counting",
     "aux_loss": "layers.moe", "follow_grad_scaler": "layers.moe", "update_bias": "layers.moe",
     "update_bias_on_step": "layers.moe", "set_expert_step": "layers.steps", "load": "weights", "save": "weights",
@@ -41,9 +44,10 @@ _LAZY = {
 """Public name -> the subpackage (relative to moespec) that defines it."""
 
 __all__ = [
-    "CheckpointError", "MoespecError", "Plan", "Spec", "SpecError", "aux_loss", "create_model", "follow_grad_scaler",
-    "fvcore_handles", "load", "load_spec", "moe_layers", "optimizer_groups", "plan", "plan_of", "register_timm",
-    "save", "set_expert_step", "stats", "update_bias", "update_bias_on_step", "upcycle", "upcycle_to_checkpoint",
+    "CheckpointError", "MoespecError", "Plan", "Spec", "SpecError", "aux_loss", "create_model", "densify",
+    "follow_grad_scaler", "fvcore_handles", "load", "load_spec", "merge", "moe_layers", "optimizer_groups", "plan",
+    "plan_of", "prune", "register_timm", "save", "set_expert_step", "stats", "update_bias", "update_bias_on_step",
+    "upcycle", "upcycle_to_checkpoint",
 ]
 
 

@@ -15,7 +15,8 @@ from typing import Annotated, Callable, List, Optional, Tuple
 import typer
 from rich.console import Console
 
-from .apps import terminal
+from .apps import compression, terminal
+from .apps.options import RANKS_HELP, MaxShardSize, OutputFile, Overwrite
 from .choices import MAX_POINTS, PRECISIONS, STATS_FORMATS
 from .errors import MoespecError, SpecError
 from .planning import plan, plan_file
@@ -128,10 +129,6 @@ def _fix_file(file: Path) -> str:
     return f" (the file it links to, {target})" if target != file else ""
 
 
-RANKS_HELP = ("Per-rank figures under expert parallelism over N ranks: each MoE layer's experts split evenly, the "
-              "rest replicated; params and fp32 AdamW training memory per rank (activations not included).")
-
-
 @app.command("plan")
 def plan_command(spec: Path = typer.Argument(..., help="Spec file."),
                  ranks: Optional[int] = typer.Option(None, "--ranks", min=1, metavar="N", help=RANKS_HELP)) -> None:
@@ -149,14 +146,6 @@ def plan_command(spec: Path = typer.Argument(..., help="Spec file."),
             out.print(rank_summary(per_rank(stats(loaded), ranks)), markup=False, soft_wrap=True)
 
     _run(body)
-
-
-# The options of the commands that write a model checkpoint (`compile`, `upcycle`).
-OutputFile = Annotated[Path, typer.Option(
-    "-o", "--output", help="Output .safetensors file; beyond --max-shard-size, shards and an index next to it.")]
-MaxShardSize = Annotated[str, typer.Option(
-    "--max-shard-size", help="Largest file to write, e.g. 2GB, 500MB, 1GiB.")]
-Overwrite = Annotated[bool, typer.Option("--force", help="Overwrite an existing output.")]
 
 
 @app.command("compile")
@@ -384,6 +373,9 @@ def inspect_command(
                   f"{report.activated_params_per_image / 1e6:.2f}M parameters", markup=False)
 
     _run(body)
+
+
+compression.register(app, _run, out)  # prune, merge, densify
 
 
 @app.command("schema")

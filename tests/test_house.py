@@ -14,7 +14,7 @@ from moespec.spec import ROUTER_KINDS
 PACKAGE = Path(moespec.__file__).parent
 
 STAGES = ["errors", "_version", "choices", "files", "io", "layers", "spec", "routers", "backbones", "planning",
-          "compiler", "weights", "distributed", "counting", "apps", "cli", "__init__"]
+          "compiler", "weights", "distributed", "counting", "compress", "apps", "cli", "__init__"]
 """Lowest first. A module may import its own stage and the stages before it, never one after it."""
 
 LAZY_ALLOWED = {"matplotlib"}

@@ -32,6 +32,9 @@ class ExpertChoiceRouterSpec(RouterSpec):
     """c: on average each item is processed by c experts."""
 
     title: ClassVar[str] = "expert choice"
+    fixed_experts: ClassVar[str] = (
+        "each expert picks its own C = c*T/E items, so no item chooses an expert: removing or merging one changes "
+        "what every other expert picks")
     inspection: ClassVar = TOKENS
 
     def activated_unit(self) -> str:

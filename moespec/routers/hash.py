@@ -33,6 +33,8 @@ class HashRouterSpec(RouterSpec):
     """Seed of the position -> expert permutation."""
 
     title: ClassVar[str] = "hash"
+    fixed_experts: ClassVar[str] = (
+        "items go to experts by a fixed hash of their position, which no gate rows decide")
     rows_per_expert: ClassVar[bool] = False  # no weights: routes by position
     load_balanced: ClassVar[bool] = False  # balanced by construction
     inspection: ClassVar = TOKENS

@@ -51,6 +51,8 @@ class SoftRouterSpec(RouterSpec):
         return data
 
     title: ClassVar[str] = "Soft MoE"
+    fixed_experts: ClassVar[str] = (
+        "every expert's slots mix all the tokens (no token chooses an expert), and the slots are sized by the experts")
     rows_per_expert: ClassVar[bool] = False  # slots, not one gate row per expert
     load_balanced: ClassVar[bool] = False
     inspection: ClassVar = Inspection(unit="token", share_label="share of the class's token outputs\n(combine weight "

@@ -81,6 +81,7 @@ class RouterSpec(SpecModel):
     title: ClassVar[str] = ""  # how people call it: "top-k", "expert choice", "Soft MoE"
     load_balanced: ClassVar[bool] = True  # has aux losses (default: one importance_load loss)
     rows_per_expert: ClassVar[bool] = True  # a gate row per expert, which `upcycle.router_init` may start from data
+    fixed_experts: ClassVar[str] = ""  # why `moespec prune` / `merge` cannot remove its experts ("" where they can)
     inspection: ClassVar[Inspection]
 
     def resolve(self, sketch: Any, model: str) -> "RouterSpec":

@@ -1,0 +1,17 @@
+"""Options that several commands share, defined once: the output options of the commands that write a model
+checkpoint (`compile`, `upcycle`, `prune`, `merge`, `densify`), and `--ranks` (`plan`, `stats`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+OutputFile = Annotated[Path, typer.Option(
+    "-o", "--output", help="Output .safetensors file; beyond --max-shard-size, shards and an index next to it.")]
+MaxShardSize = Annotated[str, typer.Option(
+    "--max-shard-size", help="Largest file to write, e.g. 2GB, 500MB, 1GiB.")]
+Overwrite = Annotated[bool, typer.Option("--force", help="Overwrite an existing output.")]
+RANKS_HELP = ("Per-rank figures under expert parallelism over N ranks: each MoE layer's experts split evenly, the "
+              "rest replicated; params and fp32 AdamW training memory per rank (activations not included).")
