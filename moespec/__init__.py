@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import routers  # noqa: F401  (registers the built-in router kinds before any spec is validated; no torch)
 from ._version import __version__ as __version__  # re-exported: moespec.__version__
+from .apps import timm_hook
 from .errors import CheckpointError, MoespecError, SpecError
 from .planning import Plan, plan
 from .spec import Spec, load_spec
@@ -39,6 +40,8 @@ _LAZY = {
     "upcycle": "weights", "upcycle_to_checkpoint": "weights",
 }
 """Public name -> the subpackage (relative to moespec) that defines it."""
+
+timm_hook.install()  # timm.create_model("local-dir:FOLDER") of a moespec model, once timm is imported
 
 __all__ = [
     "CheckpointError", "MoespecError", "Plan", "Spec", "SpecError", "aux_loss", "create_model", "follow_grad_scaler",

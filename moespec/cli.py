@@ -19,7 +19,7 @@ from .apps import terminal
 from .choices import MAX_POINTS, PRECISIONS, STATS_FORMATS
 from .errors import MoespecError, SpecError
 from .planning import plan, plan_file
-from .spec import json_schema_text, load_spec, spec_files
+from .spec import json_schema_text, load_model_spec, load_spec, spec_files
 from .spec.loading import previous_release_keys, read_spec_text, upgraded_spec_text
 
 # Each command imports the stages it needs beyond the spec and the plan inside its body: they import torch and
@@ -133,13 +133,13 @@ RANKS_HELP = ("Per-rank figures under expert parallelism over N ranks: each MoE 
 
 
 @app.command("plan")
-def plan_command(spec: Path = typer.Argument(..., help="Spec file."),
+def plan_command(spec: Path = typer.Argument(..., help="Spec file, or a Hub folder of a moespec model."),
                  ranks: Optional[int] = typer.Option(None, "--ranks", min=1, metavar="N", help=RANKS_HELP)) -> None:
     """Show which FFNs become MoE layers, with their widths, experts, k and router."""
 
     def body() -> None:
         from .counting import per_rank, plan_table, rank_summary, stats
-        loaded = load_spec(spec)
+        loaded = load_model_spec(spec)
         p = plan(loaded, cached=True)
         out.print(p.summary(), markup=False, soft_wrap=True)
         out.print(plan_table(p))
@@ -272,7 +272,7 @@ def stats_command(
             for done, file in enumerate(files):
                 advance(file.name, done, len(files))
                 try:
-                    record = stats(load_spec(file), input_size=input_size)
+                    record = stats(load_model_spec(file), input_size=input_size)
                     splits.append(per_rank(record, ranks) if ranks is not None else None)
                     records.append(record)
                 except MoespecError as error:

@@ -19,6 +19,9 @@ from .yaml_limits import MAX_SPEC_BYTES
 from .yaml_positions import Positions, load_yaml
 
 SPEC_SUFFIXES = (".yaml", ".yml")
+HUB_CONFIG = "config.json"
+"""The file that makes a folder a Hugging Face Hub folder (timm's `save_for_hf`), whose spec `embedded.hub_spec`
+reads."""
 
 
 def read_document(path: str | Path) -> tuple[dict, Positions]:
@@ -92,10 +95,13 @@ def _validate(data: dict, positions: Positions, file: str | None) -> Spec:
 
 
 def spec_files(paths: Sequence[str | Path]) -> list[Path]:
-    """Spec files named directly, plus every *.yaml / *.yml under named folders (sorted)."""
+    """Spec files named directly, plus every *.yaml / *.yml under named folders (sorted); a Hub folder (with a
+    config.json) stands for its own spec (`embedded.load_model_spec`)."""
     files: list[Path] = []
     for path in map(Path, paths):
-        if path.is_dir():
+        if path.is_dir() and (path / HUB_CONFIG).is_file():
+            files.append(path)
+        elif path.is_dir():
             found = sorted(p for p in path.rglob("*") if p.suffix in SPEC_SUFFIXES)
             if not found:
                 raise MoespecError(f"{path}: no *.yaml spec files in this folder")
