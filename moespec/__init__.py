@@ -27,7 +27,8 @@ if TYPE_CHECKING:
     from .apps.timm_registry import register_timm
     from .compiler import create_model, moe_layers, plan_of
     from .counting import fvcore_handles, stats
-    from .layers.moe import aux_loss, follow_grad_scaler, update_bias, update_bias_on_step
+    from .layers.bias_steps import update_bias, update_bias_on_step
+    from .layers.moe import aux_loss, follow_grad_scaler
     from .layers.steps import set_expert_step
     from .weights import load, save, upcycle, upcycle_to_checkpoint
 
@@ -35,8 +36,8 @@ _LAZY = {
     "optimizer_groups": "apps.optimizer", "register_timm": "apps.timm_registry",
     "create_model": "compiler", "moe_layers": "compiler", "plan_of": "compiler",
     "fvcore_handles": "counting", "stats": "counting",
-    "aux_loss": "layers.moe", "follow_grad_scaler": "layers.moe", "update_bias": "layers.moe",
-    "update_bias_on_step": "layers.moe", "set_expert_step": "layers.steps", "load": "weights", "save": "weights",
+    "aux_loss": "layers.moe", "follow_grad_scaler": "layers.moe", "update_bias": "layers.bias_steps",
+    "update_bias_on_step": "layers.bias_steps", "set_expert_step": "layers.steps", "load": "weights", "save": "weights",
     "upcycle": "weights", "upcycle_to_checkpoint": "weights",
 }
 """Public name -> the subpackage (relative to moespec) that defines it."""
