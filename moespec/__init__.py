@@ -23,6 +23,7 @@ from .spec import Spec, load_spec
 # `__getattr__` below), so `from moespec import create_model` works as before; type checkers and IDEs see the
 # names through the TYPE_CHECKING imports.
 if TYPE_CHECKING:
+    from .apps.hub_folder import save_for_hf
     from .apps.optimizer import optimizer_groups
     from .apps.timm_registry import register_timm
     from .compiler import create_model, moe_layers, plan_of
@@ -33,7 +34,7 @@ if TYPE_CHECKING:
     from .weights import load, save, upcycle, upcycle_to_checkpoint
 
 _LAZY = {
-    "optimizer_groups": "apps.optimizer", "register_timm": "apps.timm_registry",
+    "optimizer_groups": "apps.optimizer", "register_timm": "apps.timm_registry", "save_for_hf": "apps.hub_folder",
     "create_model": "compiler", "moe_layers": "compiler", "plan_of": "compiler",
     "fvcore_handles": "counting", "stats": "counting",
     "aux_loss": "layers.moe", "follow_grad_scaler": "layers.moe", "update_bias": "layers.bias_steps",
@@ -47,7 +48,8 @@ timm_hook.install()  # timm.create_model("local-dir:FOLDER") of a moespec model,
 __all__ = [
     "CheckpointError", "MoespecError", "Plan", "Spec", "SpecError", "aux_loss", "create_model", "follow_grad_scaler",
     "fvcore_handles", "load", "load_spec", "moe_layers", "optimizer_groups", "plan", "plan_of", "register_timm",
-    "save", "set_expert_step", "stats", "update_bias", "update_bias_on_step", "upcycle", "upcycle_to_checkpoint",
+    "save", "save_for_hf", "set_expert_step", "stats", "update_bias", "update_bias_on_step", "upcycle",
+    "upcycle_to_checkpoint",
 ]
 
 
