@@ -6,7 +6,8 @@ spec (`spec.HUB_SPEC_ARG`) and the head and input size at save time, plus the ca
 `pretrained=True` the weights are the folder's own, read by timm's hub functions (the download is timm's) and
 checked against the spec's model as every moespec checkpoint is (`check_state_dict`): a file of another model
 is refused, never loaded in part. `num_classes` other than the saved one gives a new head after the load, as
-timm's `load_pretrained` does for its models.
+timm's `load_pretrained` does for its models. As with `register_timm`, the aux loss reaches the gradients
+without a call in the loop (`aux_loss_in_backward`): timm's loops never call `moespec.aux_loss`.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ def create_hub_model(pretrained: bool = False, pretrained_cfg: dict | None = Non
     if pretrained and "num_classes" in saved:
         kwargs["num_classes"] = saved["num_classes"]  # the saved head; `classes` replaces it after the load
     spec = spec_with_model_args(embedded_spec(origin, carried), kwargs)
-    model = create_model(spec)
+    model = create_model(spec.model_copy(update={"aux_loss_in_backward": True}))  # as `register_timm`
     if pretrained:
         load_hub_weights(model, pretrained_cfg, origin, cache_dir)
         if classes is not None and classes != model.num_classes:

@@ -99,7 +99,7 @@ otherwise refuses the folder (`Unknown model`) rather than build another model.
 import moespec, timm
 
 model = timm.create_model("hf-hub:ORG/NAME", pretrained=True)      # or "local-dir:PATH/TO/FOLDER"
-features = timm.create_model("hf-hub:ORG/NAME", pretrained=True, features_only=True, out_indices=(1, 2))
+features = timm.create_model("hf-hub:ORG/NAME", pretrained=True, features_only=True)  # a dense-task backbone
 model = moespec.load("PATH/TO/FOLDER")                              # the same model, through moespec
 ```
 

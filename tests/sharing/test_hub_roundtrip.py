@@ -110,6 +110,33 @@ def test_hf_hub_reads_the_same_files_through_timms_code(tmp_path, monkeypatch):
     assert loaded.pretrained_cfg["label_names"] == LABELS and loaded.pretrained_cfg["source"] == "hf-hub"
 
 
+def test_push_to_hf_hub_uploads_a_folder_that_builds_the_model(tmp_path, monkeypatch):
+    """timm's push_to_hf_hub, run to its upload (the Hub API answered here): what it uploads loads back."""
+    import shutil
+    from types import SimpleNamespace
+
+    class Hub:
+        def __init__(self, **_):
+            pass
+
+        def create_repo(self, repo_id, **_):
+            return SimpleNamespace(repo_id=repo_id)
+
+        def file_exists(self, **_):
+            return False
+
+        def upload_folder(self, repo_id, folder_path, **_):
+            shutil.copytree(folder_path, tmp_path / "uploaded")
+            return "uploaded"
+
+    monkeypatch.setattr(timm.models._hub, "HfApi", Hub)
+    model = _trained(VIT)
+    assert timm.models.push_to_hf_hub(model, "someone/tiny-vit-moe") == "uploaded"
+    assert {"config.json", "model.safetensors", "pytorch_model.bin", "README.md"} <= {
+        p.name for p in (tmp_path / "uploaded").iterdir()}
+    _same_outputs(model, timm.create_model(f"local-dir:{tmp_path / 'uploaded'}", pretrained=True))
+
+
 def test_without_moespec_timm_refuses_the_folder(tmp_path):
     """In a process that never imports moespec, timm does not know the architecture and says what to do; once
     moespec is imported, after timm or before it, timm builds the model."""
