@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import timm
 import torch
 from PIL import Image
 from safetensors.torch import load_file
@@ -47,3 +48,12 @@ def test_timms_train_script_fine_tunes_a_hub_folder(tmp_path):
     assert trained["head.weight"].shape == (2, 64)  # a new head for the new classes
     for name in ("blocks.0.mlp.experts.fc1.weight", "blocks.1.mlp.router.gate.weight", "pos_embed"):
         torch.testing.assert_close(trained[name], published[name], rtol=0, atol=0)  # lr 1e-30: the folder's weights
+
+    # publish the fine-tuned model (docs/sharing.md): timm reads train.py's checkpoint, moespec writes the folder
+    tuned = timm.create_model(f"local-dir:{tmp_path / 'hub'}", num_classes=2, checkpoint_path=run / "last.pth.tar")
+    moespec.save_for_hf(tuned, tmp_path / "hub-tuned", model_config={"label_names": ["a", "b"]})
+    again = timm.create_model(f"local-dir:{tmp_path / 'hub-tuned'}", pretrained=True).eval()
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(again(x), tuned.eval()(x), rtol=0, atol=0)
+    assert again.num_classes == 2 and again.pretrained_cfg["label_names"] == ["a", "b"]
