@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import timm
@@ -137,20 +138,31 @@ def test_push_to_hf_hub_uploads_a_folder_that_builds_the_model(tmp_path, monkeyp
     _same_outputs(model, timm.create_model(f"local-dir:{tmp_path / 'uploaded'}", pretrained=True))
 
 
+def _fresh_python(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180)
+
+
 def test_without_moespec_timm_refuses_the_folder(tmp_path):
-    """In a process that never imports moespec, timm does not know the architecture and says what to do; once
-    moespec is imported, after timm or before it, timm builds the model."""
+    """In a process that never imports moespec, timm does not know the architecture and says what to do."""
     save_for_hf(_trained(VIT), tmp_path / "hub", safe_serialization=True)
-    code = "import timm\ntry:\n    timm.create_model({!r})\nexcept RuntimeError as e:\n    print('refused:', e)\n"
-    done = subprocess.run([sys.executable, "-c", code.format(f"local-dir:{tmp_path / 'hub'}")],
-                          capture_output=True, text=True, timeout=120)
-    assert f"refused: Unknown model ({HUB_ARCHITECTURE})" in done.stdout, done.stderr
+    done = _fresh_python(f"import timm\ntry:\n    timm.create_model({f'local-dir:{tmp_path / chr(104)}ub'!r})\n"
+                         f"except RuntimeError as e:\n    print('refused:', e)")
+    assert done.stdout.strip() == f"refused: Unknown model ({HUB_ARCHITECTURE})", done.stderr[-2000:]
     assert "pip_install_and_import_moespec" in HUB_ARCHITECTURE
-    for order in ("import moespec, timm", "import timm, moespec"):
-        code = f"{order}\nm = timm.create_model({str(f'local-dir:{tmp_path / chr(104)}ub')!r}, pretrained=True)\n" \
-               f"print(type(m).__name__, len(moespec.moe_layers(m)))"
-        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-        assert done.stdout.split() == ["VisionTransformer", "2"], done.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_importing_moespec_before_or_after_timm_registers_the_architecture(tmp_path):
+    """Once moespec is imported, after timm or before it (its registration then waits for timm's import), timm
+    builds the model. Two fresh interpreters, at once."""
+    save_for_hf(_trained(VIT), tmp_path / "hub", safe_serialization=True)
+    built = "{}\nm = timm.create_model(" + repr(f"local-dir:{tmp_path / 'hub'}") + ", pretrained=True)\n" \
+            "print(type(m).__name__, len(moespec.moe_layers(m)))"
+    with ThreadPoolExecutor(2) as pool:
+        done = list(pool.map(_fresh_python, [built.format(f"import {order}")
+                                             for order in ("moespec, timm", "timm, moespec")]))
+    for run in done:
+        assert run.stdout.split() == ["VisionTransformer", "2"], run.stderr[-2000:]
 
 
 def _rewrite_spec(folder, change) -> None:
