@@ -201,3 +201,15 @@ def test_an_altered_spec_and_a_newer_moespecs_spec_are_refused(tmp_path):
         timm.create_model(f"local-dir:{tmp_path / 'hub'}")
     result = CliRunner().invoke(app, ["stats", str(tmp_path / "hub")])
     assert result.exit_code == 2 and "upgrade moespec" in result.output
+
+
+def test_a_registered_names_pretrained_cfg_is_kept_and_travels(tmp_path):
+    """timm's `pretrained_cfg_overlay` reaches a registered spec's model (it was dropped), and the folder keeps it."""
+    name = moespec.register_timm(moespec.load_spec(VIT), name="moespec_test_hub_cfg")
+    model = timm.create_model(name, pretrained_cfg_overlay={"crop_pct": 0.95, "interpolation": "bilinear"})
+    assert timm.data.resolve_data_config({}, model=model)["crop_pct"] == 0.95
+    save_for_hf(model, tmp_path / "hub", safe_serialization=True)
+    loaded = timm.create_model(f"local-dir:{tmp_path / 'hub'}", pretrained=True)
+    data = timm.data.resolve_data_config({}, model=loaded)
+    assert (data["crop_pct"], data["interpolation"]) == (0.95, "bilinear")
+    _same_outputs(model, loaded)
