@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import routers  # noqa: F401  (registers the built-in router kinds before any spec is validated; no torch)
 from ._version import __version__ as __version__  # re-exported: moespec.__version__
+from .apps import timm_hook
 from .errors import CheckpointError, MoespecError, SpecError
 from .planning import Plan, plan
 from .spec import Spec, load_spec
@@ -23,31 +24,35 @@ from .spec import Spec, load_spec
 # `__getattr__` below), so `from moespec import create_model` works as before; type checkers and IDEs see the
 # names through the TYPE_CHECKING imports.
 if TYPE_CHECKING:
+    from .apps.hub_folder import save_for_hf
     from .apps.optimizer import optimizer_groups
     from .apps.timm_registry import register_timm
     from .compiler import create_model, moe_layers, plan_of
     from .compress import densify, merge, prune
     from .counting import fvcore_handles, stats
-    from .layers.moe import aux_loss, follow_grad_scaler, update_bias, update_bias_on_step
+    from .layers.bias_steps import update_bias, update_bias_on_step
+    from .layers.moe import aux_loss, follow_grad_scaler
     from .layers.steps import set_expert_step
     from .weights import load, save, upcycle, upcycle_to_checkpoint
 
 _LAZY = {
-    "optimizer_groups": "apps.optimizer", "register_timm": "apps.timm_registry",
+    "optimizer_groups": "apps.optimizer", "register_timm": "apps.timm_registry", "save_for_hf": "apps.hub_folder",
     "create_model": "compiler", "moe_layers": "compiler", "plan_of": "compiler",
     "densify": "compress", "merge": "compress", "prune": "compress",
     "fvcore_handles": "counting", "stats": "counting",
-    "aux_loss": "layers.moe", "follow_grad_scaler": "layers.moe", "update_bias": "layers.moe",
-    "update_bias_on_step": "layers.moe", "set_expert_step": "layers.steps", "load": "weights", "save": "weights",
+    "aux_loss": "layers.moe", "follow_grad_scaler": "layers.moe", "update_bias": "layers.bias_steps",
+    "update_bias_on_step": "layers.bias_steps", "set_expert_step": "layers.steps", "load": "weights", "save": "weights",
     "upcycle": "weights", "upcycle_to_checkpoint": "weights",
 }
 """Public name -> the subpackage (relative to moespec) that defines it."""
 
+timm_hook.install()  # timm.create_model("local-dir:FOLDER") of a moespec model, once timm is imported
+
 __all__ = [
     "CheckpointError", "MoespecError", "Plan", "Spec", "SpecError", "aux_loss", "create_model", "densify",
     "follow_grad_scaler", "fvcore_handles", "load", "load_spec", "merge", "moe_layers", "optimizer_groups", "plan",
-    "plan_of", "prune", "register_timm", "save", "set_expert_step", "stats", "update_bias", "update_bias_on_step",
-    "upcycle", "upcycle_to_checkpoint",
+    "plan_of", "prune", "register_timm", "save", "save_for_hf", "set_expert_step", "stats", "update_bias",
+    "update_bias_on_step", "upcycle", "upcycle_to_checkpoint",
 ]
 
 

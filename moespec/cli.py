@@ -6,7 +6,6 @@ a bug in moespec and exits 1 with a hint to rerun with `--debug`.
 
 from __future__ import annotations
 
-import os
 import sys
 from enum import Enum
 from pathlib import Path
@@ -16,12 +15,12 @@ import typer
 from rich.console import Console
 
 from .apps import compression, terminal
-from .apps.options import RANKS_HELP, MaxShardSize, OutputFile, Overwrite
+from .apps.options import RANKS_HELP, HubFolder, MaxShardSize, OutputFile, Overwrite
 from .choices import MAX_POINTS, PRECISIONS, STATS_FORMATS
 from .errors import MoespecError, SpecError
 from .planning import plan, plan_file
-from .spec import json_schema_text, load_spec, spec_files
-from .spec.loading import previous_release_keys, read_spec_text, upgraded_spec_text
+from .spec import json_schema_text, load_model_spec, load_spec, spec_files
+from .spec.loading import fix_file, previous_release_keys
 
 # Each command imports the stages it needs beyond the spec and the plan inside its body: they import torch and
 # timm, seconds that `moespec --help` and `moespec schema` should not pay (tests/test_cli_imports.py). The plan
@@ -93,7 +92,7 @@ def validate(specs: List[Path] = typer.Argument(..., help="Spec files or folders
             try:
                 p = plan_file(file, cached=True)
                 old_keys = previous_release_keys(file)
-                where = _fix_file(file) if old_keys and fix else ""
+                where = fix_file(file) if old_keys and fix else ""
             except MoespecError as error:
                 failed += 1
                 _report_failure(file, error)
@@ -109,34 +108,16 @@ def validate(specs: List[Path] = typer.Argument(..., help="Spec files or folders
     _run(body)
 
 
-def _fix_file(file: Path) -> str:
-    """`validate --fix` of one spec file: the file a symbolic link names is rewritten (the link stays; the
-    returned note says which file changed), and only when it is still what was read (`io.rewrite_file`). A
-    file with other names (hard links) or that is read-only is refused, left as it is."""
-    from .io.rewrite import rewrite_file  # the io stage imports safetensors; validate needs it only to write
-
-    target = Path(os.path.realpath(file)) if file.is_symlink() else file
-    status = target.stat()
-    if status.st_nlink > 1:
-        raise MoespecError(f"{file}: has {status.st_nlink} names (hard links); --fix replaces the file, which would "
-                           f"leave the other names with the old text. Move the keys into `router:` by hand, or "
-                           f"copy it to a file of its own and fix that")
-    if not status.st_mode & 0o222:
-        raise MoespecError(f"{file}: read-only; --fix changes only a file you may write. Make it writable "
-                           f"(chmod u+w), then run --fix again")
-    text = read_spec_text(target)
-    rewrite_file(target, upgraded_spec_text(file, text).encode("utf-8"), text.encode("utf-8"), status)
-    return f" (the file it links to, {target})" if target != file else ""
 
 
 @app.command("plan")
-def plan_command(spec: Path = typer.Argument(..., help="Spec file."),
+def plan_command(spec: Path = typer.Argument(..., help="Spec file, or a Hub folder of a moespec model."),
                  ranks: Optional[int] = typer.Option(None, "--ranks", min=1, metavar="N", help=RANKS_HELP)) -> None:
     """Show which FFNs become MoE layers, with their widths, experts, k and router."""
 
     def body() -> None:
         from .counting import per_rank, plan_table, rank_summary, stats
-        loaded = load_spec(spec)
+        loaded = load_model_spec(spec)
         p = plan(loaded, cached=True)
         out.print(p.summary(), markup=False, soft_wrap=True)
         out.print(plan_table(p))
@@ -155,18 +136,23 @@ def compile_command(
     max_shard_size: MaxShardSize = "2GB",
     force: Overwrite = False,
     seed: Annotated[int, typer.Option(help="Seed for the random initialization.")] = 0,
+    hub: HubFolder = False,
 ) -> None:
     """Build the MoE model with random weights and save it (spec embedded)."""
 
     def body() -> None:
+        from .apps.hub_folder import save_for_hf
         from .compiler import create_model, moe_layers
-        from .io import check_checkpoint_output, checkpoint_files, index_file, parse_size
+        from .io import check_checkpoint_output, check_output, checkpoint_files, index_file, parse_size
         from .weights import check_seed, save
 
         limit = parse_size(max_shard_size, "--max-shard-size")
         check_seed(seed, "--seed")
-        check_checkpoint_output(output, force)
+        check_output(output, force, folder=True) if hub else check_checkpoint_output(output, force)
         model = create_model(load_spec(spec), seed=seed)
+        if hub:
+            save_for_hf(model, output, force=force)
+            return out.print(f"wrote {output} (a Hub folder; {len(moe_layers(model))} MoE layers)", markup=False)
         save(model, output, force=force, max_shard_size=limit)
         _, files = checkpoint_files(output)
         layers = f"{len(moe_layers(model))} MoE layers"
@@ -202,11 +188,13 @@ def upcycle_command(
     seed: Annotated[int, typer.Option(help="Seed for router init, expert noise and drops, and k-means.")] = 0,
     trust_pickle: Annotated[bool, typer.Option(
         "--trust-pickle", help="Unpickle a .pth/.bin checkpoint that is not plain tensors (runs its code).")] = False,
+    hub: HubFolder = False,
 ) -> None:
     """Build the MoE model with experts copied from dense checkpoints and save it, one layer at a time."""
 
     def body() -> None:
-        from .io import DTYPE_NAMES, check_checkpoint_output, parse_size
+        from .apps.hub_folder import upcycle_to_hub
+        from .io import DTYPE_NAMES, check_checkpoint_output, check_output, parse_size
         from .weights import check_seed, upcycle_to_checkpoint
 
         if sources and checkpoint:
@@ -214,20 +202,20 @@ def upcycle_command(
         given = list(sources or checkpoint or [])
         limit = parse_size(max_shard_size, "--max-shard-size")
         check_seed(seed, "--seed")
-        check_checkpoint_output(output, force)
+        check_output(output, force, folder=True) if hub else check_checkpoint_output(output, force)
         loaded = load_spec(spec)
         with terminal.progress("reading images", _quiet) as read, \
                 terminal.progress("upcycling MoE layers", _quiet) as advance:
-            files, report = upcycle_to_checkpoint(loaded, output, checkpoint=given or None, images=images or None,
-                                                  seed=seed, dtype=DTYPE_NAMES[dtype.value],
-                                                  max_shard_size=limit, force=force, check=check,
-                                                  trust_pickle=trust_pickle, on_layer=advance, on_batch=read)
+            options = dict(checkpoint=given or None, images=images or None, seed=seed, dtype=DTYPE_NAMES[dtype.value],
+                           force=force, check=check, trust_pickle=trust_pickle, on_layer=advance, on_batch=read)
+            files, report = upcycle_to_hub(loaded, output, **options) if hub else \
+                upcycle_to_checkpoint(loaded, output, max_shard_size=limit, **options)
         if report is not None:
             out.print(f"dense weights: {report.source}", markup=False)
             out.print(str(report), markup=False)
             out.print("\n".join(report.start_lines()), markup=False)
-        shards = f" ({len(files) - 1} shards and an index)" if len(files) > 1 else ""
-        out.print(f"wrote {files[0]}{shards}", markup=False)
+        shards = f" ({len(files) - 1} shards and an index)" if not hub and len(files) > 1 else ""
+        out.print(f"wrote {output if hub else files[0]}{' (a Hub folder)' if hub else shards}", markup=False)
 
     _run(body)
 
@@ -261,7 +249,7 @@ def stats_command(
             for done, file in enumerate(files):
                 advance(file.name, done, len(files))
                 try:
-                    record = stats(load_spec(file), input_size=input_size)
+                    record = stats(load_model_spec(file), input_size=input_size)
                     splits.append(per_rank(record, ranks) if ranks is not None else None)
                     records.append(record)
                 except MoespecError as error:

@@ -5,4 +5,7 @@
     inspect_report.py  the inspect report folder (heatmaps, load charts, index.html)
     plots.py           figures (matplotlib, optional)
     timm_registry.py   specs as timm models (`timm.create_model(name)`)
+    timm_hook.py       moespec's architecture in timm's registry, from `import moespec` on
+    hub.py             the model of a Hub folder (`timm.create_model("local-dir:..." / "hf-hub:...")`)
+    hub_folder.py      moespec's writer of the Hub layout (`moespec.save_for_hf`, `--hub`), with a model card
 """

@@ -15,3 +15,6 @@ MaxShardSize = Annotated[str, typer.Option(
 Overwrite = Annotated[bool, typer.Option("--force", help="Overwrite an existing output.")]
 RANKS_HELP = ("Per-rank figures under expert parallelism over N ranks: each MoE layer's experts split evenly, the "
               "rest replicated; params and fp32 AdamW training memory per rank (activations not included).")
+HubFolder = Annotated[bool, typer.Option("--hub", help="Write -o as a Hugging Face Hub folder (config.json, "
+                                         "model.safetensors, README.md model card) that timm.create_model("
+                                         "'local-dir:...') and 'hf-hub:...' build; see docs/sharing.md.")]

@@ -7,6 +7,9 @@ timm's keyword arguments update the spec's `backbone.kwargs` (so they reach the 
 `pretrained=True` upcycles the experts from the spec's dense source (`moespec.upcycle`: the spec's
 `backbone.checkpoint`, else timm's pretrained weights). timm's training script knows nothing of aux losses,
 so registered models send theirs into backward by default (`aux_loss_in_backward`, see `layers/moe.py`).
+`features_only=True` (with `out_indices`) gives timm's feature backbone of the MoE model (`hub.as_timm_model`);
+the model's pretrained_cfg is its dense backbone's, under moespec's architecture, so that timm's `save_for_hf`
+writes a folder that `timm.create_model("local-dir:FOLDER")` builds again (`apps.hub`).
 """
 
 from __future__ import annotations
@@ -24,11 +27,12 @@ from ..compiler import create_model
 from ..errors import MoespecError
 from ..spec import Spec, load_spec
 from ..weights import upcycle
+from .hub import FEATURE_KWARGS, RUNTIME_KWARGS, as_timm_model
 
 REGISTERED: dict[str, Spec] = {}
 """timm model name -> the spec it builds (before timm's kwargs), for every name moespec registered."""
 
-TIMM_ONLY_KWARGS = ("pretrained_cfg", "pretrained_cfg_overlay")
+TIMM_ONLY_KWARGS = ("pretrained_cfg", "pretrained_cfg_overlay", *RUNTIME_KWARGS)
 """What `timm.create_model` passes to every entry point that concerns timm's own weights, not the backbone."""
 
 
@@ -53,8 +57,11 @@ def register_timm(spec_or_path: Spec | str | Path, name: str | None = None, *,
         update["aux_loss_backward_scale"] = float(aux_loss_backward_scale)
     spec = spec.model_copy(update=update)
     name = _checked_name(name if name is not None else (spec.name or "").replace("-", "_"))
-    def entry(pretrained: bool = False, **kwargs: Any) -> nn.Module:
-        return build(spec, pretrained=pretrained, **kwargs)
+    def entry(pretrained: bool = False, pretrained_cfg: dict | None = None,
+              pretrained_cfg_overlay: dict | None = None, **kwargs: Any) -> nn.Module:
+        features = {key: kwargs.pop(key) for key in FEATURE_KWARGS if key in kwargs}
+        model = build(spec, pretrained=pretrained, **kwargs)
+        return as_timm_model(model, name, pretrained_cfg, pretrained_cfg_overlay, **features)
 
     entry.__name__ = entry.__qualname__ = name
     entry.__module__ = __name__

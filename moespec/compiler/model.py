@@ -26,7 +26,7 @@ from ..errors import MoespecError, SpecError
 from ..layers import BalancingBias, Experts, MoELayer, set_expert_step
 from ..layers.steps import check_step
 from ..planning import Plan, plan_for
-from ..spec import Spec, located
+from ..spec import HUB_ARCHITECTURE, HUB_SPEC_ARG, Spec, located, spec_metadata
 from .passes import copy_along, replace_ffns, replace_untraced, rescale_blocks
 from .tracer import TraceFailure, release, trace
 
@@ -133,7 +133,25 @@ def create_model(spec: Spec, *, device: str | torch.device = "cpu", seed: int | 
             plan = plan_for(spec, backbone)
         model = compile_model(backbone, plan, moe_device=moe_device, inplace=True)
     model.moespec_spec = spec
+    carry_spec(model, spec)
     return set_expert_step(model, expert_step).train()
+
+
+def carry_spec(model: nn.Module, spec: Spec) -> None:
+    """Make timm's own export (`timm.models.save_for_hf`, `push_to_hf_hub`) write a folder that builds this MoE
+    model: its pretrained_cfg (the dense backbone's mean, std, input size, crop) names moespec's architecture,
+    and the reconstruction arguments timm records (`_model_args`, the backbone's kwargs) carry the spec
+    (`spec.embedded`). Where moespec is not imported, timm refuses that architecture instead of building the
+    dense backbone. A spec that has no YAML form is not carried: timm's load of such a folder says so."""
+    cfg = getattr(model, "pretrained_cfg", None)
+    if isinstance(cfg, dict):
+        cfg["architecture"] = HUB_ARCHITECTURE  # in place: timm's `default_cfg` is the same dict
+        cfg.pop("tag", None)  # the dense weights' tag: not this model's
+    try:
+        carried = spec_metadata(spec)
+    except ValueError:  # a spec built in Python with objects in its kwargs (a functools.partial) has no YAML
+        return
+    model._model_args = {**getattr(model, "_model_args", {}), HUB_SPEC_ARG: carried}
 
 
 @dataclass(frozen=True)

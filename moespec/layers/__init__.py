@@ -1,4 +1,5 @@
-"""The nn.Modules moespec inserts. They take plain numbers and sub-modules, never a spec."""
+"""The nn.Modules moespec inserts. They take plain numbers and sub-modules, never a spec. (`bias_steps`: when the
+balancing biases move, `moespec.update_bias` and the step after every optimizer step.)"""
 
 from .experts import Experts, StackedLinear, StackedNorm
 from .gates import BalancingBias, LinearGate, ProjectedGate

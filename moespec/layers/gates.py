@@ -114,6 +114,8 @@ class BalancingBias(nn.Module):
         self.register_buffer("expert_bias", torch.zeros(num_experts))
         # integers: exact at any count, and left alone by `model.to(dtype)` (a bfloat16 count stops at 256)
         self.register_buffer("tokens_per_expert", torch.zeros(num_experts, dtype=torch.long), persistent=False)
+        self.forwards = 0  # training forwards since the last step (`bias_steps.BiasOnStep` warns past a bound)
+        self.by_loop = False  # stepped by the loop (`update_bias`), not after each optimizer step (`BIAS_ON_STEP`)
 
     @torch.no_grad()
     def count(self, experts: torch.Tensor) -> None:
@@ -134,6 +136,7 @@ class BalancingBias(nn.Module):
                                    f"update_bias writes only finite biases, and left it as it is")
             self.expert_bias.copy_(bias)
         self.tokens_per_expert.zero_()
+        self.forwards = 0
 
     def extra_repr(self) -> str:
         return f"rate={self.rate:g}"

@@ -23,8 +23,7 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from ..errors import MoespecError
-from .collectives import all_reduce_sum
+from .bias_steps import BIAS_ON_STEP
 from .dispatch import exporting
 from .experts import Experts
 from .interfaces import MoELayer, Router
@@ -76,6 +75,8 @@ class MoE(MoELayer):
             groups = torch.arange(images, device=x.device).repeat_interleave(items_per_image(items.shape[0], images))
         routing = self.router.route(items, images)
         routing.group = self.experts.transport.group  # expert parallel: global aux losses, statistics
+        if self.training:
+            BIAS_ON_STEP.on_forward(self)  # a balancing bias moves after the optimizer's step (`bias_steps`)
         static = exporting()
         if static:
             y = self._dense_combine(items, routing)
@@ -287,51 +288,3 @@ def aux_loss(model: nn.Module) -> torch.Tensor:
     if not losses:
         return torch.zeros(())
     return torch.stack(losses).sum()
-
-
-def update_bias(model: nn.Module, group=None) -> int:
-    """One step of DeepSeek-V3's auxiliary-loss-free load balancing for every MoE layer of `model` whose router
-    has `bias_balance`: each expert's bias moves by `rate * sign(mean load - load_e)`, the loads being the
-    top-k choices the training forwards made since the last call (every micro-batch of a gradient
-    accumulation), and the accumulated loads start again from zero. Returns the number of layers updated.
-
-    Call it once per optimizer step, before or after `optimizer.step()` (torchtitan does it in an optimizer
-    pre-step hook; `update_bias_on_step` registers one). The loads are summed over the ranks that train the
-    layer, so that the bias follows the global loads and stays equal on every rank (a collective: every rank
-    calls it): over `group` where given; else over the layer's expert-parallel group, under expert
-    parallelism; else over all ranks (`torch.distributed.group.WORLD`) where torch.distributed is initialized,
-    as in data-parallel training. Pass `group` where the ranks that train a layer are fewer (pipeline stages,
-    replicas of a hybrid sharding); without torch.distributed each process's own loads move its bias.
-    """
-    by_group: dict[object, list[nn.Module]] = {}
-    names = {}
-    for name, layer in model.named_modules():
-        balance = getattr(layer.router, "balance", None) if isinstance(layer, MoE) else None
-        if balance is not None:
-            own = group if group is not None else layer.experts.transport.group
-            by_group.setdefault(own if own is not None else _world(), []).append(balance)
-            names[id(balance)] = name
-    for own, balances in by_group.items():  # one collective per group, in module order on every rank
-        loads = all_reduce_sum([balance.tokens_per_expert for balance in balances], own)
-        for balance, load in zip(balances, loads, strict=True):
-            try:
-                balance.step(load)
-            except MoespecError as error:  # a bias that is not finite: named, never written
-                raise MoespecError(f"{names[id(balance)]}: {error}") from None
-    return sum(len(balances) for balances in by_group.values())
-
-
-def _world():
-    """All ranks' group where torch.distributed is initialized, else None (this process alone)."""
-    initialized = torch.distributed.is_available() and torch.distributed.is_initialized()
-    return torch.distributed.group.WORLD if initialized else None
-
-
-def update_bias_on_step(model: nn.Module, optimizer: torch.optim.Optimizer, group=None):
-    """Call `update_bias(model, group)` before every `optimizer.step()` (an optimizer step pre-hook, as
-    torchtitan registers one); returns the hook's handle (`.remove()` stops it)."""
-
-    def hook(*_) -> None:  # a pre-hook that returns something replaces the step's arguments
-        update_bias(model, group)
-
-    return optimizer.register_step_pre_hook(hook)

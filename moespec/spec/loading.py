@@ -19,6 +19,9 @@ from .yaml_limits import MAX_SPEC_BYTES
 from .yaml_positions import Positions, load_yaml
 
 SPEC_SUFFIXES = (".yaml", ".yml")
+HUB_CONFIG = "config.json"
+"""The file that makes a folder a Hugging Face Hub folder (timm's `save_for_hf`), whose spec `embedded.hub_spec`
+reads."""
 
 
 def read_document(path: str | Path) -> tuple[dict, Positions]:
@@ -92,10 +95,13 @@ def _validate(data: dict, positions: Positions, file: str | None) -> Spec:
 
 
 def spec_files(paths: Sequence[str | Path]) -> list[Path]:
-    """Spec files named directly, plus every *.yaml / *.yml under named folders (sorted)."""
+    """Spec files named directly, plus every *.yaml / *.yml under named folders (sorted); a Hub folder (with a
+    config.json) stands for its own spec (`embedded.load_model_spec`)."""
     files: list[Path] = []
     for path in map(Path, paths):
-        if path.is_dir():
+        if path.is_dir() and (path / HUB_CONFIG).is_file():
+            files.append(path)
+        elif path.is_dir():
             found = sorted(p for p in path.rglob("*") if p.suffix in SPEC_SUFFIXES)
             if not found:
                 raise MoespecError(f"{path}: no *.yaml spec files in this folder")
@@ -170,3 +176,23 @@ def upgraded_spec_text(path: str | Path, text: str | None = None) -> str:
         raise MoespecError(f"{file}: cannot move {old_keys} into the router without losing what the file says "
                            f"({reason}); move them into `router:` by hand. Nothing was written") from None
     return new_text
+
+
+def fix_file(file: Path) -> str:
+    """`validate --fix` of one spec file: the file a symbolic link names is rewritten (the link stays; the
+    returned note says which file changed), and only when it is still what was read (`io.rewrite_file`). A
+    file with other names (hard links) or that is read-only is refused, left as it is."""
+    from ..io.rewrite import rewrite_file  # the io stage imports torch and safetensors; only --fix writes
+
+    target = Path(os.path.realpath(file)) if file.is_symlink() else file
+    status = target.stat()
+    if status.st_nlink > 1:
+        raise MoespecError(f"{file}: has {status.st_nlink} names (hard links); --fix replaces the file, which would "
+                           f"leave the other names with the old text. Move the keys into `router:` by hand, or "
+                           f"copy it to a file of its own and fix that")
+    if not status.st_mode & 0o222:
+        raise MoespecError(f"{file}: read-only; --fix changes only a file you may write. Make it writable "
+                           f"(chmod u+w), then run --fix again")
+    text = read_spec_text(target)
+    rewrite_file(target, upgraded_spec_text(file, text).encode("utf-8"), text.encode("utf-8"), status)
+    return f" (the file it links to, {target})" if target != file else ""

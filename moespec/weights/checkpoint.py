@@ -7,7 +7,6 @@ weights straight into it. Nothing is unpickled.
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 from typing import Iterable
 
@@ -15,7 +14,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .._version import __version__
 from ..backbones import create_backbone
 from ..compiler import create_model
 from ..errors import CheckpointError, MoespecError
@@ -30,11 +28,10 @@ from ..io import (
     write_sharded,
 )
 from ..layers.transport import sharded_banks
-from ..spec import DENSE_SUFFIXES, Spec, load_spec
+from ..spec import DENSE_SUFFIXES, HUB_CONFIG, SPEC_HASH_KEY, Spec, embedded_spec, hub_spec, load_spec, spec_metadata
 from .dense import check_state_dict, read_state_dict
 
 PICKLED_SUFFIXES = tuple(suffix for suffix in DENSE_SUFFIXES if suffix != ".safetensors")
-SPEC_KEY, SPEC_HASH_KEY, VERSION_KEY = "moespec.spec", "moespec.spec_sha256", "moespec.version"
 READ_ATTEMPTS = 3  # reads of a checkpoint that a writer keeps replacing, before `load` gives up
 
 
@@ -166,28 +163,10 @@ def output_dtype(dtype: torch.dtype, target: torch.dtype | None) -> torch.dtype:
     return target if target is not None and dtype.is_floating_point else dtype
 
 
-def spec_metadata(spec: Spec) -> dict[str, str]:
-    """The header metadata of a moespec checkpoint: the spec YAML, its sha256 and the moespec version."""
-    spec_yaml = spec.to_yaml()
-    digest = hashlib.sha256(spec_yaml.encode()).hexdigest()
-    return {SPEC_KEY: spec_yaml, SPEC_HASH_KEY: digest, VERSION_KEY: __version__}
-
-
 def read_spec(path: str | Path) -> Spec:
     """The spec embedded in a moespec checkpoint (checked against its hash)."""
     metadata, _ = checkpoint_files(path)
     return embedded_spec(path, metadata)
-
-
-def embedded_spec(path: str | Path, metadata: dict[str, str]) -> Spec:
-    """The spec in a checkpoint's `metadata` (checked against its hash)."""
-    spec_yaml = metadata.get(SPEC_KEY)
-    if spec_yaml is None:
-        raise CheckpointError(f"{path}: has no moespec spec in its metadata; is it a dense checkpoint? "
-                              f"(upcycle it with `moespec upcycle SPEC --checkpoint {path}`)")
-    if hashlib.sha256(spec_yaml.encode()).hexdigest() != metadata.get(SPEC_HASH_KEY):
-        raise CheckpointError(f"{path}: the embedded spec does not match its hash; the file was altered")
-    return load_spec(f"{path}[spec]", text=spec_yaml)
 
 
 def load(path: str | Path, *, spec: Spec | str | Path | None = None, device: str | torch.device = "cpu",
@@ -199,7 +178,12 @@ def load(path: str | Path, *, spec: Spec | str | Path | None = None, device: str
     tensor. With `spec` (a Spec or a spec file): any checkpoint of that spec's model: a moespec or plain
     safetensors file, or a pickled state dict or training checkpoint such as timm's `model_best.pth.tar`
     (its "state_dict", or with `ema` its "state_dict_ema"; pickled training state needs `trust_pickle`).
+
+    A Hugging Face Hub folder of a moespec model (timm's `save_for_hf` layout: config.json beside
+    model.safetensors or pytorch_model.bin) is read with the spec of its config.json (`spec.hub_spec`).
     """
+    if spec is None and Path(path).is_dir() and (Path(path) / HUB_CONFIG).is_file():
+        spec, path = hub_spec(path), hub_weights(path)
     pickled = not Path(path).is_dir() and Path(path).name.endswith(PICKLED_SUFFIXES)
     if spec is None and pickled:
         raise CheckpointError(f"{path}: a pickled checkpoint holds no spec; say which spec's model it holds "
@@ -214,6 +198,18 @@ def load(path: str | Path, *, spec: Spec | str | Path | None = None, device: str
         check_buffers(model.named_buffers(), f"{path}")
         return model
     return _load_safetensors(path, spec, device)
+
+
+HUB_WEIGHTS = ("model.safetensors", "pytorch_model.bin")
+"""The weight files of a Hub folder that timm's `save_for_hf` writes, in the order timm reads them."""
+
+
+def hub_weights(folder: str | Path) -> Path:
+    """The weights file of a Hub folder, as timm picks it (`load_state_dict_from_path`'s preferred names)."""
+    for name in HUB_WEIGHTS:
+        if (Path(folder) / name).is_file():
+            return Path(folder) / name
+    raise CheckpointError(f"{folder}: a Hub folder without weights (no {' or '.join(HUB_WEIGHTS)})")
 
 
 def _load_safetensors(path: str | Path, spec: Spec | None, device: str | torch.device) -> nn.Module:

@@ -71,7 +71,7 @@ def test_one_rank_computes_what_the_unsharded_model_computes(results, case):
 @pytest.mark.parametrize("case", list(CASES))
 def test_two_ranks_on_the_gpu_path_compute_what_one_process_computes(results, case):
     """The sync-free path (`dispatch.device_path()`, what a GPU runs): a capacity's dropped pairs stay after the
-    segments (`Routing.tail`) and are not sent to other ranks."""
+    segments (`Routing.dropped`) and are not sent to other ranks."""
     _check(results(2, on_device_path=True), case)
 
 

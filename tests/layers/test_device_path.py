@@ -5,7 +5,7 @@
 - no op that waits for the device runs (`SyncProbe`, a dispatch mode), and torch.compile captures the layer's
   forward and backward whole (`fullgraph=True`): an `.item()`, a `.tolist()` or a data-dependent shape would
   break the graph;
-- a capacity's dropped pairs stay after the experts' segments with weight 0 (`Routing.tail`), and every step
+- a capacity's dropped pairs stay after the experts' segments with weight 0 (`Routing.dropped`), and every step
   gives 0 for them.
 """
 

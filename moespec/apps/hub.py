@@ -1,0 +1,106 @@
+"""The MoE model of a Hugging Face Hub folder, as `timm.create_model("local-dir:FOLDER")` and
+`("hf-hub:ORG/NAME")` build it, and what every timm entry point of moespec returns (`as_timm_model`).
+
+timm reads the folder's config.json and calls moespec's entry point (`timm_hook`) with its `model_args`: the
+spec (`spec.HUB_SPEC_ARG`) and the head and input size at save time, plus the caller's kwargs. With
+`pretrained=True` the weights are the folder's own, read by timm's hub functions (the download is timm's) and
+checked against the spec's model as every moespec checkpoint is (`check_state_dict`): a file of another model
+is refused, never loaded in part. `num_classes` other than the saved one gives a new head after the load, as
+timm's `load_pretrained` does for its models. As with `register_timm`, the aux loss reaches the gradients
+without a call in the loop (`aux_loss_in_backward`): timm's loops never call `moespec.aux_loss`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from timm.models import build_model_with_cfg
+from timm.models._builder import _resolve_pretrained_source
+from timm.models._hub import load_state_dict_from_hf, load_state_dict_from_path
+from torch import nn
+
+from ..compiler import create_model
+from ..errors import MoespecError
+from ..spec import HUB_ARCHITECTURE, HUB_CONFIG, HUB_SPEC_ARG, embedded_spec, spec_with_model_args
+from ..weights import check_buffers, check_state_dict
+
+FEATURE_KWARGS = ("features_only", "out_indices", "feature_cls")
+"""timm's create_model kwargs for a feature backbone: taken by `build_model_with_cfg`, never by the model."""
+RUNTIME_KWARGS = ("pretrained_model_args", "cache_dir")
+"""What timm's factory passes every entry point besides the model's kwargs."""
+
+
+def create_hub_model(pretrained: bool = False, pretrained_cfg: dict | None = None,
+                     pretrained_cfg_overlay: dict | None = None, **kwargs: Any) -> nn.Module:
+    """timm's entry point for `spec.HUB_ARCHITECTURE`: the model of the spec in `kwargs[HUB_SPEC_ARG]`."""
+    carried = kwargs.pop(HUB_SPEC_ARG, None)
+    origin = _origin(pretrained_cfg)
+    if not isinstance(carried, dict):
+        raise MoespecError(f"{HUB_ARCHITECTURE} is the architecture of moespec models saved for the Hub; it is "
+                           f"built from such a folder (timm.create_model('local-dir:FOLDER') or 'hf-hub:ORG/NAME'), "
+                           f"whose config.json carries the spec in model_args.{HUB_SPEC_ARG}; {origin} has none")
+    features = {key: kwargs.pop(key) for key in FEATURE_KWARGS if key in kwargs}
+    cache_dir = kwargs.pop("cache_dir", None)
+    saved = kwargs.pop("pretrained_model_args", None) or {}
+    classes = kwargs.get("num_classes")
+    if pretrained and "num_classes" in saved:
+        kwargs["num_classes"] = saved["num_classes"]  # the saved head; `classes` replaces it after the load
+    spec = spec_with_model_args(embedded_spec(origin, carried), kwargs)
+    model = create_model(spec.model_copy(update={"aux_loss_in_backward": True}))  # as `register_timm`
+    if pretrained:
+        load_hub_weights(model, pretrained_cfg, origin, cache_dir)
+        if classes is not None and classes != model.num_classes:
+            model.reset_classifier(classes)
+    return as_timm_model(model, HUB_ARCHITECTURE, pretrained_cfg, pretrained_cfg_overlay, **features)
+
+
+def _origin(pretrained_cfg: dict | None) -> str:
+    """Where timm read the config from, for messages: 'FOLDER/config.json' or 'hf-hub:ORG/NAME'."""
+    cfg = pretrained_cfg if isinstance(pretrained_cfg, dict) else {}
+    if cfg.get("source") == "local-dir" and cfg.get("file"):
+        return f"{cfg['file']}/{HUB_CONFIG}"
+    if cfg.get("source") == "hf-hub" and cfg.get("hf_hub_id"):
+        return f"hf-hub:{cfg['hf_hub_id']}"
+    return "the given pretrained_cfg"
+
+
+def load_hub_weights(model: nn.Module, pretrained_cfg: dict | None, origin: str, cache_dir=None) -> None:
+    """Read the weights of the folder (or Hub repository) timm named in `pretrained_cfg` into `model`, checked
+    name by name and shape by shape first: a checkpoint whose tensors do not match the spec's model is a
+    CheckpointError, and nothing is loaded."""
+    source, location = _resolve_pretrained_source(pretrained_cfg or {})
+    if source == "local-dir":
+        state = load_state_dict_from_path(location)
+    elif source == "hf-hub":
+        state = load_state_dict_from_hf(*location, cache_dir=cache_dir) if isinstance(location, tuple) \
+            else load_state_dict_from_hf(location, cache_dir=cache_dir)
+    else:
+        raise MoespecError(f"{origin}: pretrained=True reads a moespec model's weights from its Hub folder "
+                           f"(timm.create_model('local-dir:FOLDER' or 'hf-hub:ORG/NAME', pretrained=True)); "
+                           f"this pretrained_cfg names none")
+    check_state_dict(state, model, origin)
+    model.load_state_dict(state)
+    check_buffers(model.named_buffers(), origin)
+
+
+def as_timm_model(model: nn.Module, architecture: str, pretrained_cfg: dict | None = None,
+                  pretrained_cfg_overlay: dict | None = None, **features: Any) -> nn.Module:
+    """`model` as timm's `build_model_with_cfg` returns a model: its pretrained_cfg (`pretrained_cfg` where
+    timm gave one, a Hub folder's, else the model's own: the dense backbone's with moespec's architecture) with
+    `pretrained_cfg_overlay` over it, and with `features_only=True` a feature backbone (`out_indices`,
+    `feature_cls`): timm's `FeatureGetterNet` over `forward_intermediates` where the model has it (ViT,
+    ConvNeXt), else timm's default wrapper. The MoE layers stay inside, so `moespec.aux_loss` of the wrapper
+    is the layers' loss."""
+    cfg = dict(pretrained_cfg) if isinstance(pretrained_cfg, dict) else dict(getattr(model, "pretrained_cfg", {}))
+    feature_cfg: dict[str, Any] = {}
+    if features.get("features_only"):
+        if hasattr(model, "forward_intermediates"):
+            feature_cfg = {"feature_cls": "getter", "out_indices": min(4, len(getattr(model, "feature_info", [])))}
+        else:
+            feature_cfg = {"flatten_sequential": True}
+    traits = getattr(model, "_traits", None)
+    built = build_model_with_cfg(lambda **_: model, architecture, pretrained=False, pretrained_cfg=cfg,
+                                 pretrained_cfg_overlay=pretrained_cfg_overlay, feature_cfg=feature_cfg, **features)
+    if traits is not None:
+        model._traits = traits  # the backbone's, as timm set them at its build
+    return built
