@@ -398,7 +398,7 @@ def schema_command() -> None:
 
 def main() -> None:
     terminal.steady_streams()
-    app()
+    sys.exit(terminal.run_app(app))
 
 
 if __name__ == "__main__":
