@@ -14,7 +14,7 @@ from pydantic import ValidationError
 from ..errors import MoespecError, Problem, SpecError
 from .compat import MOVED_TO_ROUTER, CannotRewrite, upgraded_text
 from .models import Spec
-from .problems import merge_alternatives, problem, yaml_kind
+from .problems import hidden_cross_field_problems, merge_alternatives, problem, yaml_kind
 from .yaml_limits import MAX_SPEC_BYTES
 from .yaml_positions import Positions, load_yaml
 
@@ -86,7 +86,8 @@ def _validate(data: dict, positions: Positions, file: str | None) -> Spec:
     try:
         spec = Spec.model_validate(data)
     except ValidationError as err:
-        raise SpecError(merge_alternatives([problem(e, data, positions, file) for e in err.errors()])) from None
+        problems = merge_alternatives([problem(e, data, positions, file) for e in err.errors()])
+        raise SpecError(problems + hidden_cross_field_problems(data, problems, positions, file)) from None
     spec._source = file
     return spec
 
