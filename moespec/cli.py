@@ -263,7 +263,7 @@ def stats_command(
     """
 
     def body() -> int:
-        from .counting import per_rank, render, stats
+        from .counting import at_input_size, per_rank, render, stats
         if ranks is not None and per_layer:
             raise MoespecError("--ranks adds per-spec columns; it does not combine with --per-layer")
         records, splits, failed = [], [], 0
@@ -272,7 +272,11 @@ def stats_command(
             for done, file in enumerate(files):
                 advance(file.name, done, len(files))
                 try:
-                    record = stats(load_spec(file), input_size=input_size)
+                    loaded, notes = load_spec(file), []  # --input-size: checked as input_size; a rebuild is said
+                    sized = loaded if input_size is None else at_input_size(loaded, input_size, on_rebuild=notes.append)
+                    record = stats(sized)
+                    for note in notes:
+                        terminal.error(f"moespec: note: {file}: {note}")
                     splits.append(per_rank(record, ranks) if ranks is not None else None)
                     records.append(record)
                 except MoespecError as error:
@@ -320,6 +324,10 @@ def sweep_command(
 
         parsed = [parse_setting(text) for text in settings]
         check_grid_size(parsed, max_points)
+        if input_size is not None:  # checked as the spec's input_size, and a rebuild said once for every point
+            from .counting import at_input_size
+            at_input_size(load_spec(spec), input_size, on_rebuild=lambda note: terminal.error(
+                f"moespec: note: {spec}: {note}"))
         if plot is not None:
             require_matplotlib("moespec sweep --plot")
             check_figure_path(plot, force)
