@@ -241,3 +241,26 @@ def test_each_router_kind_is_costed_by_its_formula():
         spec = make_spec(TINY_VIT, [{"where": {"last": 1}, "experts": 4, "top_k": top_k, "router": router}])
         layer = moespec.stats(spec).layers[0]
         assert round(layer.gmacs * 1e9) == expected, name
+
+
+def test_a_failed_trace_leaves_the_model_as_it_was(monkeypatch):
+    """fvcore hooks every module before its trace and unhooks them only when the trace succeeds (issue 52: a
+    failed trace left the model unpicklable); `count_macs` leaves the model's hooks as they were either way."""
+    import io
+
+    import fvcore.nn.jit_analysis
+
+    model = moespec.create_model(make_spec(TINY_VIT, [{"where": {"every": 1}, "experts": 4}]), seed=0)
+    own = model.blocks[0].register_forward_hook(lambda module, args, output: None)  # the user's: kept
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("the tracer refused an op")
+
+    monkeypatch.setattr(fvcore.nn.jit_analysis, "_get_trace_graph", fail)
+    with pytest.raises(RuntimeError, match="the tracer refused an op"):
+        count_macs(model, tuple(TINY_INPUT))
+    hooked = {name: (list(m._forward_pre_hooks), list(m._forward_hooks)) for name, m in model.named_modules()
+              if m._forward_pre_hooks or m._forward_hooks}
+    assert hooked == {"blocks.0": ([], [own.id])} and model.training
+    own.remove()
+    torch.save(model, io.BytesIO())
