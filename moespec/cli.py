@@ -6,7 +6,6 @@ a bug in moespec and exits 1 with a hint to rerun with `--debug`.
 
 from __future__ import annotations
 
-import os
 import sys
 from enum import Enum
 from pathlib import Path
@@ -16,11 +15,13 @@ import typer
 from rich.console import Console
 
 from .apps import terminal
-from .choices import MAX_POINTS, PRECISIONS, STATS_FORMATS
+from .choices import MAX_POINTS, PRECISIONS, STATS_FORMATS, check_seed
 from .errors import MoespecError, SpecError
+from .io import check_checkpoint_output, check_output, parse_size
 from .planning import plan, plan_file
+from .planning.table import plan_table
 from .spec import json_schema_text, load_spec, spec_files
-from .spec.loading import previous_release_keys, read_spec_text, upgraded_spec_text
+from .spec.loading import fix_spec_file, previous_release_keys
 
 # Each command imports the stages it needs beyond the spec and the plan inside its body: they import torch and
 # timm, seconds that `moespec --help` and `moespec schema` should not pay (tests/test_cli_imports.py). The plan
@@ -92,7 +93,7 @@ def validate(specs: List[Path] = typer.Argument(..., help="Spec files or folders
             try:
                 p = plan_file(file, cached=True)
                 old_keys = previous_release_keys(file)
-                where = _fix_file(file) if old_keys and fix else ""
+                where = fix_spec_file(file) if old_keys and fix else ""
             except MoespecError as error:
                 failed += 1
                 _report_failure(file, error)
@@ -108,26 +109,6 @@ def validate(specs: List[Path] = typer.Argument(..., help="Spec files or folders
     _run(body)
 
 
-def _fix_file(file: Path) -> str:
-    """`validate --fix` of one spec file: the file a symbolic link names is rewritten (the link stays; the
-    returned note says which file changed), and only when it is still what was read (`io.rewrite_file`). A
-    file with other names (hard links) or that is read-only is refused, left as it is."""
-    from .io.atomic import rewrite_file  # the io stage imports safetensors; validate needs it only to write
-
-    target = Path(os.path.realpath(file)) if file.is_symlink() else file
-    status = target.stat()
-    if status.st_nlink > 1:
-        raise MoespecError(f"{file}: has {status.st_nlink} names (hard links); --fix replaces the file, which would "
-                           f"leave the other names with the old text. Move the keys into `router:` by hand, or "
-                           f"copy it to a file of its own and fix that")
-    if not status.st_mode & 0o222:
-        raise MoespecError(f"{file}: read-only; --fix changes only a file you may write. Make it writable "
-                           f"(chmod u+w), then run --fix again")
-    text = read_spec_text(target)
-    rewrite_file(target, upgraded_spec_text(file, text).encode("utf-8"), text.encode("utf-8"), status)
-    return f" (the file it links to, {target})" if target != file else ""
-
-
 RANKS_HELP = ("Per-rank figures under expert parallelism over N ranks: each MoE layer's experts split evenly, the "
               "rest replicated; params and fp32 AdamW training memory per rank (activations not included).")
 
@@ -138,7 +119,6 @@ def plan_command(spec: Path = typer.Argument(..., help="Spec file."),
     """Show which FFNs become MoE layers, with their widths, experts, k and router."""
 
     def body() -> None:
-        from .counting import per_rank, plan_table, rank_summary, stats
         loaded = load_spec(spec)
         p = plan(loaded, cached=True)
         out.print(p.summary(), markup=False, soft_wrap=True)
@@ -146,6 +126,7 @@ def plan_command(spec: Path = typer.Argument(..., help="Spec file."),
         if not p.layers:
             out.print("no MoE layers: this spec is the dense backbone")
         if ranks is not None:
+            from .counting import per_rank, rank_summary, stats
             out.print(rank_summary(per_rank(stats(loaded), ranks)), markup=False, soft_wrap=True)
 
     _run(body)
@@ -170,13 +151,13 @@ def compile_command(
     """Build the MoE model with random weights and save it (spec embedded)."""
 
     def body() -> None:
-        from .compiler import create_model, moe_layers
-        from .io import check_checkpoint_output, checkpoint_files, index_file, parse_size
-        from .weights import check_seed, save
-
-        limit = parse_size(max_shard_size, "--max-shard-size")
+        limit = parse_size(max_shard_size, "--max-shard-size")  # the output's checks first: they need no torch
         check_seed(seed, "--seed")
         check_checkpoint_output(output, force)
+        from .compiler import create_model, moe_layers
+        from .io.sharding import checkpoint_files, index_file
+        from .weights import save
+
         model = create_model(load_spec(spec), seed=seed)
         save(model, output, force=force, max_shard_size=limit)
         _, files = checkpoint_files(output)
@@ -217,15 +198,15 @@ def upcycle_command(
     """Build the MoE model with experts copied from dense checkpoints and save it, one layer at a time."""
 
     def body() -> None:
-        from .io import DTYPE_NAMES, check_checkpoint_output, parse_size
-        from .weights import check_seed, upcycle_to_checkpoint
-
         if sources and checkpoint:
             raise MoespecError("give the dense checkpoints as arguments or with --checkpoint, not both")
         given = list(sources or checkpoint or [])
-        limit = parse_size(max_shard_size, "--max-shard-size")
+        limit = parse_size(max_shard_size, "--max-shard-size")  # the output's checks first: they need no torch
         check_seed(seed, "--seed")
         check_checkpoint_output(output, force)
+        from .io.safetensors import DTYPE_NAMES
+        from .weights import upcycle_to_checkpoint
+
         loaded = load_spec(spec)
         with terminal.progress("reading images", _quiet) as read, \
                 terminal.progress("upcycling MoE layers", _quiet) as advance:
@@ -371,7 +352,6 @@ def inspect_command(
         from .apps.inspect_report import check_report_folder, write_report
         from .apps.inspection import find_images, inspect_routing, load_model
         from .apps.plots import require_matplotlib
-        from .io import check_output
 
         require_matplotlib("moespec inspect")
         check_output(output, force, folder=True)

@@ -17,6 +17,7 @@ from typing import Callable, Iterator, TypeVar
 from urllib.parse import urlsplit
 
 import timm.models
+from huggingface_hub import constants
 
 PROBE_SECONDS = 3.0
 """How long the probe waits for a connection to the weights' host: a reachable host answers in well under a
@@ -33,8 +34,6 @@ class Unreachable(ConnectionError):
 @contextlib.contextmanager
 def hub_offline() -> Iterator[None]:
     """huggingface_hub's offline mode for the block: files come from its cache or not at all, at once."""
-    from huggingface_hub import constants
-
     before = constants.HF_HUB_OFFLINE
     constants.HF_HUB_OFFLINE = True
     try:
@@ -58,8 +57,6 @@ def quiet_hub() -> Iterator[None]:
 def weights_host(model: str) -> str:
     """The URL the pretrained weights of timm's `model` come from: the Hub (its endpoint, `HF_ENDPOINT`) for a
     `hf_hub_id`, else the config's `url`."""
-    from huggingface_hub import constants
-
     try:
         cfg = timm.models.get_pretrained_cfg(model)
     except (RuntimeError, KeyError, ValueError):  # no pretrained config of that name: the Hub is asked
@@ -87,8 +84,6 @@ def create_pretrained(create: Callable[[], Built], model: str) -> Built:
     """`create()` (timm's create_model with pretrained=True) from the local cache when the weights are there;
     else from the network when it is reachable, and an `Unreachable` error at once when it is not, with no
     retries and none of their log lines."""
-    from huggingface_hub import constants
-
     try:
         with hub_offline(), quiet_hub():
             return create()

@@ -24,6 +24,7 @@ import inspect
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
+from pydantic import TypeAdapter, ValidationError
 from torch import nn
 
 from ..backbones import create_backbone, create_weightless_backbone
@@ -122,8 +123,6 @@ def at_input_size(spec: Spec, input_size: tuple[int, int, int], option: str = "-
 def _checked_size(input_size: tuple[int, int, int], option: str) -> tuple[int, int, int]:
     """`input_size` validated as the spec's `input_size` field is (1 to the limits of channels and sides); a
     SpecError naming `option` otherwise."""
-    from pydantic import TypeAdapter, ValidationError
-
     try:
         return TypeAdapter(Spec.model_fields["input_size"].annotation).validate_python(list(input_size))
     except ValidationError as error:

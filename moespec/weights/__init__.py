@@ -7,6 +7,7 @@
     checkpoint.py  save / load: safetensors with the spec inside
 """
 
+from ..choices import check_seed
 from .checkpoint import (
     READ_ATTEMPTS,
     SPEC_HASH_KEY,
@@ -21,7 +22,7 @@ from .checkpoint import (
     spec_metadata,
 )
 from .dense import check_state_dict, dense_model, read_state_dict, refuse_non_finite
-from .streaming import check_seed, upcycle_to_checkpoint
+from .streaming import upcycle_to_checkpoint
 from .upcycle import UpcycleReport, caveats, compare, upcycle, upcycle_into, upcycle_with_report
 
 __all__ = ["READ_ATTEMPTS", "SPEC_HASH_KEY", "SPEC_KEY", "UpcycleReport", "VERSION_KEY", "caveats", "check_buffers",
