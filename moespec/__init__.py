@@ -9,13 +9,13 @@ file per router kind.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from . import routers  # noqa: F401  (registers the built-in router kinds before any spec is validated; no torch)
 from ._version import __version__ as __version__  # re-exported: moespec.__version__
 from .apps import timm_hook
 from .errors import CheckpointError, MoespecError, SpecError
+from .lazy import lazy_names
 from .planning import Plan, plan
 from .spec import Spec, load_spec
 
@@ -56,13 +56,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _LAZY:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
-    globals()[name] = value  # later lookups skip __getattr__
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_names(__name__, globals(), _LAZY, __all__)

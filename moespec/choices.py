@@ -5,6 +5,8 @@ them (`moespec --help` would pay seconds for torch and timm); those stages impor
 source.
 """
 
+from .errors import MoespecError
+
 PRECISIONS = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 """The precisions a checkpoint may be written in: the names the CLI takes (`--dtype bf16`) -> the torch dtype's
 name. `io.DTYPE_NAMES` maps them to the torch dtypes."""
@@ -15,3 +17,13 @@ STATS_FORMATS = ("table", "markdown", "csv", "json")
 MAX_POINTS = 256
 """Grid points a sweep counts unless told more (`--max-points`): ten values in each of five `--set`s are 100,000
 points, hours of counting, better asked for on purpose."""
+
+MAX_SEED = 2**63 - 1
+"""The largest seed torch takes for every generator it seeds (up to `seed + 1`)."""
+
+
+def check_seed(seed: int, name: str = "seed") -> int:
+    """`seed` when torch takes it for every generator it seeds (up to `seed + 1`), else a `MoespecError`."""
+    if not 0 <= seed <= MAX_SEED:
+        raise MoespecError(f"{name} {seed}: expected a whole number from 0 to 2**63 - 1 ({MAX_SEED})")
+    return seed

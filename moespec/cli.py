@@ -16,11 +16,13 @@ from rich.console import Console
 
 from .apps import compression, terminal
 from .apps.options import RANKS_HELP, HubFolder, MaxShardSize, OutputFile, Overwrite
-from .choices import MAX_POINTS, PRECISIONS, STATS_FORMATS
+from .choices import MAX_POINTS, PRECISIONS, STATS_FORMATS, check_seed
 from .errors import MoespecError, SpecError
+from .io import check_checkpoint_output, check_output, parse_size
 from .planning import plan, plan_file
+from .planning.table import plan_table
 from .spec import json_schema_text, load_model_spec, load_spec, spec_files
-from .spec.loading import fix_file, previous_release_keys
+from .spec.loading import fix_spec_file, previous_release_keys
 
 # Each command imports the stages it needs beyond the spec and the plan inside its body: they import torch and
 # timm, seconds that `moespec --help` and `moespec schema` should not pay (tests/test_cli_imports.py). The plan
@@ -92,7 +94,7 @@ def validate(specs: List[Path] = typer.Argument(..., help="Spec files or folders
             try:
                 p = plan_file(file, cached=True)
                 old_keys = previous_release_keys(file)
-                where = fix_file(file) if old_keys and fix else ""
+                where = fix_spec_file(file) if old_keys and fix else ""
             except MoespecError as error:
                 failed += 1
                 _report_failure(file, error)
@@ -116,7 +118,6 @@ def plan_command(spec: Path = typer.Argument(..., help="Spec file, or a Hub fold
     """Show which FFNs become MoE layers, with their widths, experts, k and router."""
 
     def body() -> None:
-        from .counting import per_rank, plan_table, rank_summary, stats
         loaded = load_model_spec(spec)
         p = plan(loaded, cached=True)
         out.print(p.summary(), markup=False, soft_wrap=True)
@@ -124,6 +125,7 @@ def plan_command(spec: Path = typer.Argument(..., help="Spec file, or a Hub fold
         if not p.layers:
             out.print("no MoE layers: this spec is the dense backbone")
         if ranks is not None:
+            from .counting import per_rank, rank_summary, stats
             out.print(rank_summary(per_rank(stats(loaded), ranks)), markup=False, soft_wrap=True)
 
     _run(body)
@@ -141,14 +143,14 @@ def compile_command(
     """Build the MoE model with random weights and save it (spec embedded)."""
 
     def body() -> None:
-        from .apps.hub_folder import save_for_hf
-        from .compiler import create_model, moe_layers
-        from .io import check_checkpoint_output, check_output, checkpoint_files, index_file, parse_size
-        from .weights import check_seed, save
-
-        limit = parse_size(max_shard_size, "--max-shard-size")
+        limit = parse_size(max_shard_size, "--max-shard-size")  # the output's checks first: they need no torch
         check_seed(seed, "--seed")
         check_output(output, force, folder=True) if hub else check_checkpoint_output(output, force)
+        from .apps.hub_folder import save_for_hf
+        from .compiler import create_model, moe_layers
+        from .io.sharding import checkpoint_files, index_file
+        from .weights import save
+
         model = create_model(load_spec(spec), seed=seed)
         if hub:
             save_for_hf(model, output, force=force)
@@ -193,16 +195,16 @@ def upcycle_command(
     """Build the MoE model with experts copied from dense checkpoints and save it, one layer at a time."""
 
     def body() -> None:
-        from .apps.hub_folder import upcycle_to_hub
-        from .io import DTYPE_NAMES, check_checkpoint_output, check_output, parse_size
-        from .weights import check_seed, upcycle_to_checkpoint
-
         if sources and checkpoint:
             raise MoespecError("give the dense checkpoints as arguments or with --checkpoint, not both")
         given = list(sources or checkpoint or [])
-        limit = parse_size(max_shard_size, "--max-shard-size")
+        limit = parse_size(max_shard_size, "--max-shard-size")  # the output's checks first: they need no torch
         check_seed(seed, "--seed")
         check_output(output, force, folder=True) if hub else check_checkpoint_output(output, force)
+        from .apps.hub_folder import upcycle_to_hub
+        from .io.safetensors import DTYPE_NAMES
+        from .weights import upcycle_to_checkpoint
+
         loaded = load_spec(spec)
         with terminal.progress("reading images", _quiet) as read, \
                 terminal.progress("upcycling MoE layers", _quiet) as advance:
@@ -240,7 +242,7 @@ def stats_command(
     """
 
     def body() -> int:
-        from .counting import per_rank, render, stats
+        from .counting import at_input_size, per_rank, render, stats
         if ranks is not None and per_layer:
             raise MoespecError("--ranks adds per-spec columns; it does not combine with --per-layer")
         records, splits, failed = [], [], 0
@@ -249,7 +251,11 @@ def stats_command(
             for done, file in enumerate(files):
                 advance(file.name, done, len(files))
                 try:
-                    record = stats(load_model_spec(file), input_size=input_size)
+                    loaded, notes = load_model_spec(file), []  # --input-size: checked as input_size; a rebuild is said
+                    sized = loaded if input_size is None else at_input_size(loaded, input_size, on_rebuild=notes.append)
+                    record = stats(sized)
+                    for note in notes:
+                        terminal.error(f"moespec: note: {file}: {note}")
                     splits.append(per_rank(record, ranks) if ranks is not None else None)
                     records.append(record)
                 except MoespecError as error:
@@ -297,6 +303,10 @@ def sweep_command(
 
         parsed = [parse_setting(text) for text in settings]
         check_grid_size(parsed, max_points)
+        if input_size is not None:  # checked as the spec's input_size, and a rebuild said once for every point
+            from .counting import at_input_size
+            at_input_size(load_spec(spec), input_size, on_rebuild=lambda note: terminal.error(
+                f"moespec: note: {spec}: {note}"))
         if plot is not None:
             require_matplotlib("moespec sweep --plot")
             check_figure_path(plot, force)
@@ -340,7 +350,6 @@ def inspect_command(
         from .apps.inspect_report import check_report_folder, write_report
         from .apps.inspection import find_images, inspect_routing, load_model
         from .apps.plots import require_matplotlib
-        from .io import check_output
 
         require_matplotlib("moespec inspect")
         check_output(output, force, folder=True)
@@ -378,7 +387,7 @@ def schema_command() -> None:
 
 def main() -> None:
     terminal.steady_streams()
-    app()
+    sys.exit(terminal.run_app(app))
 
 
 if __name__ == "__main__":

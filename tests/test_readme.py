@@ -1,6 +1,8 @@
-"""The README as a new user runs it: every ```bash and ```python block, in order, in one fresh copy of the
-repository (a later block reads what an earlier one wrote, and none may collide with another: two blocks
-that both wrote `sweep.png` made the second one exit 2).
+"""The README as a new user runs it, then the docs pages it links: every ```bash and ```python block, in order
+(the README's, then each page of `PAGES` in turn), in one fresh copy of the repository (a later block reads
+what an earlier one wrote, and none may collide with another: two blocks that both wrote `sweep.png` made the
+second one exit 2). Every block writes under `scratch/` (.gitignore'd): the copy's other files stay as
+they were.
 
 A block that cannot run here says why in the comment line above it, `<!-- readme-test: skip: REASON -->`
 (an install, 8 GPUs, a dataset); `<!-- readme-test: LAUNCHER -->` runs a Python block with that launcher
@@ -24,10 +26,25 @@ BLOCK = re.compile(r"(?:<!-- readme-test: (?P<marker>[^\n]*?) -->\n)?^```(?P<lan
 RUN = ("bash", "python")
 
 
+PAGES = ("README.md", "docs/tour.md", "docs/usage.md", "docs/training.md", "docs/spec.md", "docs/layer.md",
+         "docs/upcycling.md", "docs/counting.md", "docs/checkpoints.md", "docs/extending.md", "docs/development.md")
+"""The pages whose blocks run, in the order they run: the README's workflow first, then the details."""
+
+
 def readme_blocks() -> list[tuple[str, str, str]]:
-    """(marker, language, code) of every fenced block of README.md, in order."""
-    text = (ROOT / "README.md").read_text(encoding="utf-8")
-    return [(m["marker"] or "", m["lang"], m["code"]) for m in BLOCK.finditer(text)]
+    """(marker, language, code) of every fenced block of the README and the docs pages, in `PAGES` order."""
+    blocks = []
+    for page in PAGES:
+        text = (ROOT / page).read_text(encoding="utf-8")
+        blocks += [(m["marker"] or "", m["lang"], m["code"]) for m in BLOCK.finditer(text)]
+    return blocks
+
+
+def test_every_page_with_command_blocks_runs():
+    """A docs page with a ```bash or ```python block is in `PAGES`, so that its commands are run."""
+    with_commands = {str(page.relative_to(ROOT)) for page in [ROOT / "README.md", *(ROOT / "docs").glob("*.md")]
+                     if any(m["lang"] in RUN for m in BLOCK.finditer(page.read_text(encoding="utf-8")))}
+    assert with_commands <= set(PAGES), sorted(with_commands - set(PAGES))
 
 
 def test_every_command_block_is_run_or_says_why_not():
@@ -46,7 +63,8 @@ def test_the_readme_runs_in_order_in_one_fresh_folder(tmp_path):
         pytest.skip("needs a git checkout (the copy is of the tracked files)")
     tracked = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, text=True, check=True)
     folder = tmp_path / "clone"
-    for name in filter(None, tracked.stdout.split("\0")):
+    tracked_names = set(filter(None, tracked.stdout.split("\0")))
+    for name in tracked_names:
         if (ROOT / name).is_file():
             (folder / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(ROOT / name, folder / name)
@@ -59,8 +77,15 @@ def test_the_readme_runs_in_order_in_one_fresh_folder(tmp_path):
         if language == "bash":
             argv = ["bash", "-euo", "pipefail", "-c", code]
         else:
-            script = folder / f"readme_block_{index}.py"
+            script = folder / "scratch" / f"readme_block_{index}.py"
+            script.parent.mkdir(exist_ok=True)
             script.write_text(code, encoding="utf-8")
-            argv = [*shlex.split(marker), script.name] if marker else [sys.executable, script.name]
+            name = str(script.relative_to(folder))
+            argv = [*shlex.split(marker), name] if marker else [sys.executable, name]
         done = subprocess.run(argv, cwd=folder, env=env, capture_output=True, text=True, timeout=1800)
         assert done.returncode == 0, f"README block {index} ({language}):\n{code}\n{done.stderr[-3000:]}"
+    # every output under scratch/ (the README's scratch folder, in .gitignore); Python's own caches aside
+    made = [str(path.relative_to(folder)) for path in folder.rglob("*") if path.is_file()
+            and str(path.relative_to(folder)) not in tracked_names and path.relative_to(folder).parts[0] != "scratch"
+            and "__pycache__" not in path.parts]
+    assert made == [], made[:20]

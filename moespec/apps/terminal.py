@@ -68,3 +68,29 @@ def progress(description: str, quiet: bool = False):
     task = bar.add_task(description, total=None, item="")
     with bar:
         yield lambda item, done, total: bar.update(task, completed=done, total=total, item=item)
+
+
+def run_app(app: typer.Typer, args: list[str] | None = None) -> int:
+    """Run the typer app and return its exit code; a usage mistake (a missing option argument, an unknown
+    option, a bad choice) is one line, `moespec: error: stats: option '--format' requires an argument; see
+    `moespec stats --help``, exit 2, in place of click's usage lines and typer's box. (typer vendors click:
+    its exceptions are reached through the public `typer.TyperException`, their base.)"""
+    command = typer.main.get_command(app)
+    args = sys.argv[1:] if args is None else list(args)
+    try:
+        code = command.main(args=args, prog_name="moespec", standalone_mode=False)
+    except typer.TyperException as mistake:
+        if type(mistake).__name__ == "NoArgsIsHelpError":  # `moespec` alone: the help is printed already
+            return 2
+        message = " ".join(mistake.format_message().split()).rstrip(".")
+        # the command it was given to; a missing option argument is raised with no context (or the group's)
+        names = getattr(command, "commands", {})
+        where = next((arg for arg in args if arg in names), "")
+        path = f"moespec {where}".strip()
+        error(f"moespec: error: {where + ': ' if where else ''}{message[:1].lower()}{message[1:]}; "
+              f"see `{path} --help`")
+        return getattr(mistake, "exit_code", 2)
+    except typer.Abort:  # end of input at a prompt
+        error("moespec: interrupted")
+        return 130
+    return code if isinstance(code, int) else 0

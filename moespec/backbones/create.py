@@ -18,6 +18,7 @@ from ..errors import Problem, SpecError, did_you_mean
 from ..spec import Backbone, Spec, located
 from .meta import SkipMetaWrites
 from .placement import TooManyModules, module_budget, refuse_if_too_large, resolve_device
+from .pretrained import create_pretrained
 
 
 def create_backbone(spec: Spec, *, device: str | torch.device = "cpu", pretrained: bool = False,
@@ -59,7 +60,11 @@ def _create(backbone: Backbone, device: torch.device, pretrained: bool) -> nn.Mo
             # SkipMetaWrites: timm's initialization of the parameters that are on the meta device (all of them on
             # device="meta", all in `create_weightless_backbone`) costs nothing
             with device, _override_builder_kwargs(backbone.model, overrides), SkipMetaWrites(), module_budget():
-                model = timm.create_model(backbone.model, pretrained=pretrained, **kwargs).eval()
+                if pretrained:  # from the cache, or the network if a probe reaches it: no minute of retries
+                    model = create_pretrained(lambda: timm.create_model(backbone.model, pretrained=True, **kwargs),
+                                            backbone.model).eval()
+                else:
+                    model = timm.create_model(backbone.model, **kwargs).eval()
             break
         except TooManyModules as err:
             raise SpecError(Problem(

@@ -114,7 +114,7 @@ def count_macs(model: nn.Module, input_size: tuple[int, int, int]) -> MacCount:
     try:
         # no_grad: counting never backpropagates, and autograd's bookkeeping during the trace costs memory
         # (ViT-H/14: +0.7 GiB peak over its 2.4 GiB of weights)
-        with _shape_only(layers.values()), warnings.catch_warnings(), torch.no_grad():
+        with _shape_only(layers.values()), _hooks_kept(model), warnings.catch_warnings(), torch.no_grad():
             warnings.simplefilter("ignore")  # jit tracer chatter
             analysis = FlopCountAnalysis(model, torch.zeros(1, *input_size))
             analysis.set_op_handle(**FLOP_HANDLES)
@@ -152,3 +152,23 @@ def _shape_only(layers: Iterator[nn.Module]) -> Iterator[None]:
     finally:
         for layer in layers:
             del layer.forward
+
+
+@contextlib.contextmanager
+def _hooks_kept(model: nn.Module) -> Iterator[None]:
+    """The model's forward hooks as they were before the block, whatever happens in it: fvcore registers scope
+    hooks on every module and removes them only when its trace succeeds, so a failed trace left them, and the
+    model no longer pickled (its hooks are local classes)."""
+    before = {name: (set(m._forward_pre_hooks), set(m._forward_hooks)) for name, m in model.named_modules()}
+    try:
+        yield
+    finally:
+        for name, module in model.named_modules():
+            pre, post = before.get(name, (set(), set()))
+            for added in set(module._forward_pre_hooks) - pre:  # as torch's RemovableHandle.remove() does
+                for hooks in (module._forward_pre_hooks, module._forward_pre_hooks_with_kwargs):
+                    hooks.pop(added, None)
+            for added in set(module._forward_hooks) - post:
+                for hooks in (module._forward_hooks, module._forward_hooks_with_kwargs,
+                              module._forward_hooks_always_called):
+                    hooks.pop(added, None)

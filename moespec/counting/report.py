@@ -13,7 +13,7 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
-from ..planning import Plan
+from ..planning.table import plan_table  # noqa: F401 (`counting.plan_table`, as before)
 from .ranks import TRAIN_BYTES_PER_PARAM, RankStats
 from .stats import SpecStats
 
@@ -151,13 +151,3 @@ def _m_or_dash(count: int | None) -> str:
 
 def _g_or_dash(gmacs: float | None) -> str:
     return "-" if gmacs is None else f"{gmacs:.3f}"
-
-
-def plan_table(plan: Plan) -> Table:
-    """`moespec plan`'s table: one row per MoE layer, numbers right-aligned."""
-    table = Table()
-    for i, column in enumerate(plan.COLUMNS):
-        table.add_column(column, justify="right" if 2 <= i <= 7 else "left")
-    for row in plan.rows():
-        table.add_row(*row)
-    return table

@@ -22,13 +22,23 @@ from __future__ import annotations
 import dataclasses
 import inspect
 from dataclasses import asdict, dataclass, field
+from typing import Callable
 
+from pydantic import TypeAdapter, ValidationError
 from torch import nn
 
 from ..backbones import create_backbone, create_weightless_backbone
 from ..compiler import compile_model, moe_layers
 from ..errors import SpecError
-from ..planning import INPUT_SIZE_ERRORS, LayerPlan, Plan, input_size_problem, items_problems, plan_for
+from ..planning import (
+    INPUT_SIZE_ERRORS,
+    LayerPlan,
+    Plan,
+    input_refusal,
+    input_size_problem,
+    items_problems,
+    plan_for,
+)
 from ..spec import Spec
 from .budget import refuse_uncountable
 from .flops import MacCount, count_macs
@@ -85,9 +95,13 @@ def count_params(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())  # parameters() already yields each tensor once
 
 
-def at_input_size(spec: Spec, input_size: tuple[int, int, int]) -> Spec:
-    """`spec` at another input size. A backbone built for one image size (a ViT's patch grid and position
-    embedding, a Mixer's token MLPs) takes it as `img_size`, as timm's `create_model(..., img_size=...)`."""
+def at_input_size(spec: Spec, input_size: tuple[int, int, int], option: str = "--input-size",
+                  on_rebuild: Callable[[str], None] | None = None) -> Spec:
+    """`spec` at another input size, given by `option` (the command line's `--input-size`). The size passes the
+    checks of the spec's own `input_size` (its ranges here; the backbone's refusals in the plan), and a backbone
+    built for one image size (a ViT's patch grid and position embedding, a Mixer's token MLPs) takes it as
+    `img_size`, as timm's `create_model(..., img_size=...)`; `on_rebuild` is then told so, in a line."""
+    input_size = _checked_size(input_size, option)
     update: dict = {"input_size": input_size}
     model_class = type(create_backbone(spec, device="meta"))
     if "img_size" in inspect.signature(model_class).parameters:
@@ -96,7 +110,40 @@ def at_input_size(spec: Spec, input_size: tuple[int, int, int]) -> Spec:
         if channels != 3 or "in_chans" in kwargs:
             kwargs["in_chans"] = channels
         update["backbone"] = spec.backbone.model_copy(update={"kwargs": kwargs})
-    return spec.model_copy(update=update)
+    sized = spec.model_copy(update=update)
+    refusal = input_refusal(create_backbone(sized, device="meta"), input_size)  # the plan's check, named here
+    if refusal is not None:
+        raise SpecError(f"{option} {' '.join(map(str, input_size))}: the model cannot take it: {refusal}")
+    note = _rebuilt_note(spec, sized, option)
+    if note is not None and on_rebuild is not None:
+        on_rebuild(note)
+    return sized
+
+
+def _checked_size(input_size: tuple[int, int, int], option: str) -> tuple[int, int, int]:
+    """`input_size` validated as the spec's `input_size` field is (1 to the limits of channels and sides); a
+    SpecError naming `option` otherwise."""
+    try:
+        return TypeAdapter(Spec.model_fields["input_size"].annotation).validate_python(list(input_size))
+    except ValidationError as error:
+        first = error.errors()[0]
+        which = ("channels", "height", "width")[first["loc"][0]] if first["loc"] else "size"
+        message = first["msg"].removeprefix("Value error, ")
+        raise SpecError(f"{option} {' '.join(map(str, input_size))}: {which}: {message[:1].lower()}{message[1:]} "
+                        f"(as the spec's input_size)") from None
+
+
+def _rebuilt_note(spec: Spec, rebuilt: Spec, option: str) -> str | None:
+    """What `at_input_size` changed in the backbone, in a line for stderr; None when it is built as the spec
+    says (a model that takes any input size)."""
+    before, after = spec.backbone.kwargs, rebuilt.backbone.kwargs
+    changed = [key for key in ("img_size", "in_chans") if after.get(key) != before.get(key)]
+    if not changed:
+        return None
+    now = ", ".join(f"{key} {after[key]}" for key in changed)
+    was = ", ".join(f"{key} {before[key]}" if key in before else f"timm's default {key}" for key in changed)
+    return (f"{spec.backbone.model} rebuilt at {now} for {option} {' '.join(map(str, rebuilt.input_size))} (the spec "
+            f"builds it at {was})")
 
 
 def stats(spec: Spec, *, input_size: tuple[int, int, int] | None = None) -> SpecStats:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
 import re
 import stat
@@ -23,7 +22,8 @@ from typing import Iterator, Mapping, Sequence
 
 import torch
 
-from ..errors import CheckpointError, MoespecError
+from ..errors import CheckpointError
+from .outputs import INDEX_SUFFIX, parse_size  # noqa: F401 (parse_size: this module's name for it too)
 from .safetensors import (
     CheckpointChanged,
     SafetensorsFile,
@@ -35,26 +35,10 @@ from .safetensors import (
 from .write_ids import WRITE_ID_KEY, check_write_ids, plain_name
 
 DEFAULT_MAX_SHARD_SIZE = 2 * 10**9  # bytes, as transformers' "2GB"
-INDEX_SUFFIX = ".safetensors.index.json"
 MAX_INDEX_BYTES = 50_000_000
 """The largest index (or write journal) read: a weight_map of half a million tensors is under 50 MB."""
 SHARD_NAME = re.compile(r"(.+)-\d{5,}-of-\d{5,}\.safetensors")
 NAMED = 3  # files a message names before it counts the rest
-SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20,
-              "GIB": 2**30, "TIB": 2**40}
-
-
-def parse_size(text: str, option: str) -> int:
-    """Bytes from "2GB", "500MB", "1.5GiB" or a plain number of bytes (units as transformers reads them)."""
-    number = text.strip().upper().rstrip("BIKMGT")
-    unit = text.strip().upper()[len(number):]
-    try:
-        size = float(number) * SIZE_UNITS[unit]
-    except (KeyError, ValueError):
-        raise MoespecError(f"{option} {text!r}: expected a size such as 2GB, 500MB or 1GiB") from None
-    if not math.isfinite(size) or size < 1:  # inf, nan, 1e400; 0, negative, under a byte
-        raise MoespecError(f"{option} {text!r}: expected a finite, positive size such as 2GB, 500MB or 1GiB")
-    return int(size)
 
 
 def shard_layout(infos: Sequence[TensorInfo], max_shard_size: int) -> list[list[TensorInfo]]:

@@ -28,10 +28,11 @@ from typing import Callable, Sequence
 import torch
 
 from ..errors import MoespecError
-from .atomic import check_name, check_output, commit, remove_stale_temp_files, temp_output
+from .atomic import check_output, commit, remove_stale_temp_files, temp_output
 from .lock import output_lock
+from .outputs import check_checkpoint_output  # noqa: F401 (this module's name for it too)
 from .safetensors import TensorInfo, write_safetensors
-from .sharding import DEFAULT_MAX_SHARD_SIZE, INDEX_SUFFIX, index_file, read_json, shard_files, shard_layout
+from .sharding import DEFAULT_MAX_SHARD_SIZE, index_file, read_json, shard_files, shard_layout
 from .write_ids import (
     WRITE_ID_KEY,
     carries,
@@ -55,20 +56,6 @@ def write_sharded(path: str | Path, infos: Sequence[TensorInfo], tensor: Callabl
     path = check_checkpoint_output(path, force)
     with output_lock(path):
         return _write_sharded(path, infos, tensor, metadata, max_shard_size, force)
-
-
-def check_checkpoint_output(path: str | Path, force: bool) -> Path:
-    """`check_output` for a checkpoint: its name must end in `.safetensors` (what it holds, and what readers go
-    by), and the index a sharded write printed names the checkpoint only by its base path."""
-    path = check_name(path)
-    if path.name.endswith(INDEX_SUFFIX) and len(path.name) > len(INDEX_SUFFIX):
-        base = path.with_name(path.name.removesuffix(".index.json"))
-        raise MoespecError(f"{path} is the index of a sharded checkpoint; name the output by its base path, {base} "
-                           f"(its shards and index are written next to it)")
-    if not path.name.endswith(".safetensors") or path.name == ".safetensors":
-        raise MoespecError(f"{path}: a moespec checkpoint is a safetensors file; name the output NAME.safetensors "
-                           f"(beyond the shard size, shards and an index are written next to it)")
-    return check_output(path, force)
 
 
 def _write_sharded(path: Path, infos: Sequence[TensorInfo], tensor: Callable[[TensorInfo], torch.Tensor],

@@ -218,7 +218,9 @@ def limit_to_groups(scores: torch.Tensor, count: int, top: int) -> torch.Tensor:
     grouped = scores.view(items, count, experts // count)
     group_scores = grouped.topk(min(2, experts // count), dim=-1).values.sum(dim=-1)  # [T, G]
     kept = group_scores.topk(top, dim=-1).indices
-    mask = torch.ones(items, count, dtype=torch.bool, device=scores.device).scatter_(1, kept, False)
+    # the source as a tensor: the jit tracer (fvcore's FlopCountAnalysis) has no scatter_ of a Python bool
+    mask = torch.ones(items, count, dtype=torch.bool, device=scores.device).scatter_(1, kept, kept.new_zeros(
+        kept.shape, dtype=torch.bool))
     return grouped.masked_fill(mask.unsqueeze(-1), float("-inf")).view(items, experts)
 
 

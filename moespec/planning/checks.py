@@ -56,6 +56,9 @@ def input_refusal(model: Any, input_size: tuple[int, int, int], *, batch: int = 
     why it refuses it, in one line, or None when it takes it."""
     import torch  # only with a model in hand: a plan from a cached sketch needs no torch
 
+    dropped = _dropped_by_patches(model, input_size)
+    if dropped is not None:
+        return dropped
     rnns = [m for m in model.modules() if isinstance(m, torch.nn.RNNBase)]
     for rnn in rnns:  # torch's meta RNN kernels decompose step by step: Sequencer's LSTMs took 4 s of a 6 s plan
         rnn.forward = types.MethodType(_rnn_shape, rnn)
@@ -68,6 +71,23 @@ def input_refusal(model: Any, input_size: tuple[int, int, int], *, batch: int = 
         for rnn in rnns:
             del rnn.forward
     return None
+
+
+def _dropped_by_patches(model: Any, input_size: tuple[int, int, int]) -> str | None:
+    """Why a patch embedding built for exactly this size (timm's `strict_img_size`) would drop pixels: timm takes
+    an `img_size` that its patches do not divide and cuts each side down to a whole number of patches (a 100 px
+    image into 6 patches of 16 px: the last 4 px unseen). Where timm pads (`dynamic_img_pad`) or checks the
+    size itself (a dynamic size), None."""
+    embed = getattr(model, "patch_embed", None)
+    patch = getattr(embed, "patch_size", None)
+    if not getattr(embed, "strict_img_size", False) or getattr(embed, "dynamic_img_pad", False) or not patch:
+        return None
+    sides = [side % step for side, step in zip(input_size[1:], patch, strict=True)]
+    if not any(sides):
+        return None
+    whole = [side - rest for side, rest in zip(input_size[1:], sides, strict=True)]
+    return (f"its {list(patch)} px patches do not divide {list(input_size[1:])}: timm would drop the last "
+            f"{sides} px of each side; give a multiple of the patch, e.g. {whole}")
 
 
 def _rnn_shape(rnn: Any, x: Any, hx: Any = None) -> tuple[Any, None]:

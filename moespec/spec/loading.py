@@ -12,9 +12,10 @@ from typing import Any, Sequence
 from pydantic import ValidationError
 
 from ..errors import MoespecError, Problem, SpecError
+from ..io.rewrite import rewrite_file
 from .compat import MOVED_TO_ROUTER, CannotRewrite, upgraded_text
 from .models import Spec
-from .problems import merge_alternatives, problem, yaml_kind
+from .problems import hidden_cross_field_problems, merge_alternatives, problem, yaml_kind
 from .yaml_limits import MAX_SPEC_BYTES
 from .yaml_positions import Positions, load_yaml
 
@@ -89,7 +90,8 @@ def _validate(data: dict, positions: Positions, file: str | None) -> Spec:
     try:
         spec = Spec.model_validate(data)
     except ValidationError as err:
-        raise SpecError(merge_alternatives([problem(e, data, positions, file) for e in err.errors()])) from None
+        problems = merge_alternatives([problem(e, data, positions, file) for e in err.errors()])
+        raise SpecError(problems + hidden_cross_field_problems(data, problems, positions, file)) from None
     spec._source = file
     return spec
 
@@ -178,12 +180,10 @@ def upgraded_spec_text(path: str | Path, text: str | None = None) -> str:
     return new_text
 
 
-def fix_file(file: Path) -> str:
-    """`validate --fix` of one spec file: the file a symbolic link names is rewritten (the link stays; the
+def fix_spec_file(file: Path) -> str:
+    """`moespec validate --fix` of one spec file: the file a symbolic link names is rewritten (the link stays; the
     returned note says which file changed), and only when it is still what was read (`io.rewrite_file`). A
     file with other names (hard links) or that is read-only is refused, left as it is."""
-    from ..io.rewrite import rewrite_file  # the io stage imports torch and safetensors; only --fix writes
-
     target = Path(os.path.realpath(file)) if file.is_symlink() else file
     status = target.stat()
     if status.st_nlink > 1:

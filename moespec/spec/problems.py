@@ -10,7 +10,7 @@ from typing import Annotated, Any, Union, get_args, get_origin
 from pydantic import BaseModel
 
 from ..errors import Problem, did_you_mean, field_path
-from .compat import document_loc
+from .compat import document_loc, router_kind_of, upgrade_group
 from .models import Spec
 from .registry import ROUTER_KINDS, SELECTORS, FieldError
 from .yaml_positions import Positions
@@ -30,6 +30,38 @@ def merge_alternatives(problems: list[Problem]) -> list[Problem]:
             messages = ["input should be " + " or ".join(wanted)]
         out.append(dataclasses.replace(same[0], message="; or ".join(messages)))
     return out
+
+
+def hidden_cross_field_problems(data: Any, problems: list[Problem], positions: Positions,
+                                file: str | None) -> list[Problem]:
+    """The cross-field checks that a value error elsewhere in the same router kept pydantic from running: a
+    router with `score: sigmod` is not validated, so its `top_k: 5` over 4 experts went unreported (issue 52).
+    Each such router is validated again without its keys in error, and checked against the group's `experts`
+    when those are valid; what that finds is reported beside the value errors."""
+    found = []
+    groups = data.get("moe") if isinstance(data, dict) else None
+    for index, group in enumerate(groups if isinstance(groups, list) else []):
+        try:
+            group = upgrade_group(group) if isinstance(group, dict) else {}
+        except ValueError:  # release 0.1's keys that do not move: reported already
+            continue
+        router, experts = group.get("router"), group.get("experts")
+        prefix = f"moe.{index}.router."
+        bad = {p.path.removeprefix(prefix).split(".")[0] for p in problems if p.path.startswith(prefix)}
+        if not bad or not isinstance(router, dict) or any(p.path == f"moe.{index}.experts" for p in problems):
+            continue
+        spec = ROUTER_KINDS.get(router_kind_of(router)) if "kind" not in bad else None
+        if spec is None or type(experts) is not int:
+            continue
+        try:
+            spec.model_validate({k: v for k, v in router.items() if str(k) not in bad}).check_experts(experts)
+        except FieldError as error:
+            path = ["moe", index, "router", *error.field.split(".")]
+            line, column = positions.find(path)
+            found.append(Problem(str(error), path=field_path(path), file=file, line=line, column=column))
+        except ValueError:  # a router not valid without its bad keys either: their own problems say enough
+            continue
+    return found
 
 
 def yaml_kind(value: Any) -> str:

@@ -49,14 +49,6 @@ def _check_index(index: int, count: int, what: str) -> int:
     return index % count
 
 
-def _need_stages(layout: BlockLayout, selector: str) -> None:
-    if len(layout.stages) == 1:
-        raise SelectorError(
-            f"{selector!r} needs a model with several stages, but this one has a single stage of "
-            f"{len(layout.blocks)} blocks; use {{last: N}} or {{blocks: [...]}}"
-        )
-
-
 @register_selector("every")
 class Every(Selector):
     """Every N-th block: blocks i with (i + 1) % N == 0 (1, 3, 5, ... for N = 2)."""
@@ -121,7 +113,6 @@ class StageLast(Selector):
     stage_last: Union[BlockCount, Literal["all"]]
 
     def resolve(self, layout: BlockLayout) -> list[int]:
-        _need_stages(layout, "stage_last")
         count = len(layout.stages)
         n = count if self.stage_last == "all" else self.stage_last
         if n > count:
@@ -140,7 +131,6 @@ class Stages(Selector):
                       Field(min_length=1, json_schema_extra={"propertyNames": {"pattern": "^-?[0-9]+$"}})]
 
     def resolve(self, layout: BlockLayout) -> list[int]:
-        _need_stages(layout, "stages")
         picked = []
         for stage_index, block_indices in self.stages.items():
             stage = layout.stages[_check_index(stage_index, len(layout.stages), "stage")]
@@ -153,7 +143,7 @@ class StageEvery(Selector):
     """Every N-th block of each stage, counted from the stage's first block: blocks j of a stage with
     (j + 1) % N == 0. The sweet-spot study's "Every 2" on ConvNeXt-T (stages of 3, 3, 9, 3 blocks): 1, 1,
     1 3 5 7, 1, 7 layers; `{every: 2}` counts across the stages (9 layers). On a single-stage model the two
-    agree."""
+    agree, as every stage selector sees its one stage (`{stage_last: 1}`: the last block)."""
 
     FORM: ClassVar[str] = "{stage_every: N}"
 

@@ -7,10 +7,11 @@
     checkpoint.py  save / load: safetensors with the spec inside
 """
 
+from ..choices import check_seed
 from ..spec import SPEC_HASH_KEY, SPEC_KEY, VERSION_KEY, embedded_spec, spec_metadata
 from .checkpoint import READ_ATTEMPTS, check_buffers, hub_weights, load, output_dtype, read_spec, save
 from .dense import check_state_dict, dense_model, read_state_dict, refuse_non_finite
-from .streaming import check_seed, upcycle_to_checkpoint
+from .streaming import upcycle_to_checkpoint
 from .upcycle import UpcycleReport, caveats, compare, upcycle, upcycle_into, upcycle_with_report
 
 __all__ = ["READ_ATTEMPTS", "SPEC_HASH_KEY", "SPEC_KEY", "UpcycleReport", "VERSION_KEY", "caveats", "check_buffers",

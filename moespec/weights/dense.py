@@ -102,10 +102,13 @@ def _unpickle(path: Path, trust_pickle: bool) -> object:
                               ) from None
 
 
-def check_state_dict(state: Mapping[str, torch.Tensor | tuple[int, ...]], reference: nn.Module, what: str) -> None:
+def check_state_dict(state: Mapping[str, torch.Tensor | tuple[int, ...]],
+                     reference: nn.Module | Mapping[str, torch.Tensor], what: str) -> None:
     """Raise a CheckpointError naming the first missing / unexpected keys and mismatched shapes. `state` maps
-    names to tensors, or to shapes (read from file headers without loading the data)."""
-    expected = {k: tuple(v.shape) for k, v in reference.state_dict().items()}
+    names to tensors, or to shapes (read from file headers without loading the data); `reference` is the
+    model, or the part of its state dict to check."""
+    wanted = reference.state_dict() if isinstance(reference, nn.Module) else reference
+    expected = {k: tuple(v.shape) for k, v in wanted.items()}
     shapes = {k: tuple(v.shape) if isinstance(v, torch.Tensor) else tuple(v) for k, v in state.items()}
     missing = [k for k in expected if k not in shapes]
     unexpected = [k for k in shapes if k not in expected]
@@ -121,22 +124,33 @@ def check_state_dict(state: Mapping[str, torch.Tensor | tuple[int, ...]], refere
         raise CheckpointError("\n".join(lines))
 
 
-def fit_to_model(state: dict[str, torch.Tensor], model: nn.Module
+def fit_to_model(state: dict[str, torch.Tensor], model: nn.Module, what: str = "checkpoint"
                  ) -> tuple[dict[str, torch.Tensor], list[str], frozenset[str]]:
     """`state` fitted to `model` as timm fits pretrained weights, one line per change made, and the names that
     keep the model's fresh init: the model module's `checkpoint_filter_fn` (a new `img_size` resamples the
     position embedding), then the head: a checkpoint head of another shape, or none, leaves the model's freshly
-    initialized head in place."""
+    initialized head in place. A checkpoint that does not fit, before or after the filter, is a
+    CheckpointError naming the file's own keys (`what` names the file)."""
     notes = []
     before = {k: tuple(v.shape) for k, v in state.items()}
-    filter_fn = getattr(importlib.import_module(type(model).__module__), "checkpoint_filter_fn", None)
-    if filter_fn is not None:
-        state = filter_fn(state, model)
-        notes += [f"{k} resampled from {list(before[k])} to {list(v.shape)} (timm's checkpoint filter)"
-                  for k, v in state.items() if k in before and tuple(v.shape) != before[k]]
     own = model.state_dict()
     classifier = model.pretrained_cfg.get("classifier") if hasattr(model, "pretrained_cfg") else None
     heads = [classifier] if isinstance(classifier, str) else list(classifier or ())
+    filter_fn = getattr(importlib.import_module(type(model).__module__), "checkpoint_filter_fn", None)
+    if filter_fn is not None:
+        original = state
+        try:  # a checkpoint of another family makes timm's filter fail on a key it expects (KeyError, ...)
+            state = filter_fn(state, model)
+        except Exception:  # timm says so with KeyError, RuntimeError, AssertionError...: the file's own keys say why
+            _refuse_unfit(original, model, heads, f"{what} (keys as the file names them; a "
+                          f"{type(model).__name__} is built)")
+            raise
+        if not _fits(state, own, heads):  # report the file's own keys, not the names the filter gave them
+            renamed = state.keys() != original.keys()
+            _refuse_unfit(original, model, heads, f"{what} (keys as the file names them; a "
+                          f"{type(model).__name__} is built)" if renamed else what)
+        notes += [f"{k} resampled from {list(before[k])} to {list(v.shape)} (timm's checkpoint filter)"
+                  for k, v in state.items() if k in before and tuple(v.shape) != before[k]]
     head_keys = [k for k in own if any(k.startswith(f"{head}.") for head in heads)]
     held = [k for k in state if any(k.startswith(f"{head}.") for head in heads)]
     if head_keys and not held:
@@ -149,6 +163,24 @@ def fit_to_model(state: dict[str, torch.Tensor], model: nn.Module
                      f"classes; dropped, {', '.join(heads)} freshly initialized")
     fresh = frozenset(k for k in head_keys if k not in state)
     return {**{k: own[k] for k in fresh}, **state}, notes, fresh
+
+
+def _fits(state: Mapping[str, torch.Tensor], own: Mapping[str, torch.Tensor], heads: list[str]) -> bool:
+    """The names and shapes of `state` are the model's (`own`), a head aside: `fit_to_model` drops a head of
+    another shape, and a model keeps its fresh head where the checkpoint has none."""
+    def body(names):
+        return {k for k in names if not any(k.startswith(f"{head}.") for head in heads)}
+
+    return body(state) == body(own) and all(tuple(state[k].shape) == tuple(own[k].shape) for k in body(state))
+
+
+def _refuse_unfit(state: Mapping[str, torch.Tensor], model: nn.Module, heads: list[str], what: str) -> None:
+    """`check_state_dict` of the checkpoint as its file holds it (a head aside, see `_fits`): a checkpoint of
+    another family (Swin's into a ConvNeXt) is a CheckpointError with the file's keys."""
+    def body(names):
+        return {k: v for k, v in names.items() if not any(k.startswith(f"{head}.") for head in heads)}
+
+    check_state_dict(body(state), body(model.state_dict()), what)
 
 
 def dense_model(spec: Spec, checkpoint: str | Path | None = None, *,
@@ -179,7 +211,8 @@ def dense_model_and_fresh(spec: Spec, checkpoint: str | Path | None = None, *,
         if _fits_as_is(checkpoint, dense):  # read in place: no second copy of a large file
             read_safetensors_into(checkpoint, dense.state_dict())
         else:
-            state, notes, fresh = fit_to_model(read_state_dict(checkpoint, trust_pickle=trust_pickle), dense)
+            state, notes, fresh = fit_to_model(read_state_dict(checkpoint, trust_pickle=trust_pickle), dense,
+                                               f"checkpoint {checkpoint}")
             check_state_dict(state, dense, f"checkpoint {checkpoint}")
             dense.load_state_dict(state)
         source, origin = "; ".join([str(checkpoint), *notes]), str(checkpoint)

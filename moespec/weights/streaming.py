@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 from ..backbones import device_memory
+from ..choices import check_seed
 from ..compiler import compile_model, materialize, moe_layers
-from ..errors import MoespecError
 from ..io import DEFAULT_MAX_SHARD_SIZE, TensorInfo, write_sharded
 from ..planning import Plan
 from ..planning.forward_cost import forward_cost_problem
@@ -34,15 +34,6 @@ from .upcycle import (
     start_routers,
     upcycle_layer,
 )
-
-MAX_SEED = 2**63 - 1
-
-
-def check_seed(seed: int, name: str = "seed") -> int:
-    """`seed` when torch takes it for every generator it seeds (up to `seed + 1`), else a `MoespecError`."""
-    if not 0 <= seed <= MAX_SEED:
-        raise MoespecError(f"{name} {seed}: expected a whole number from 0 to 2**63 - 1 ({MAX_SEED})")
-    return seed
 
 
 def upcycle_to_checkpoint(spec: Spec, output: str | Path, *, checkpoint: Checkpoints = None,

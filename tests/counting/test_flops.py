@@ -216,7 +216,7 @@ def test_input_size_override_and_a_size_the_model_cannot_take():
     vit = moespec.stats(make_spec(TINY_VIT, []), input_size=(3, 96, 96))  # built at img_size 96: 36 patches
     assert vit.input_size == (3, 96, 96)
     assert vit.total_params == moespec.stats(make_spec(TINY_VIT, [])).total_params + 20 * 384  # pos_embed: 37 tokens
-    with pytest.raises(moespec.SpecError, match=r"cannot take input size \[3, 16, 16\]"):
+    with pytest.raises(moespec.SpecError, match=r"^--input-size 3 16 16: the model cannot take it: "):
         moespec.stats(spec, input_size=(3, 16, 16))  # ConvNeXt's last downsampling conv is larger than its input
     assert TINY_INPUT == [3, 64, 64]
 
@@ -241,3 +241,26 @@ def test_each_router_kind_is_costed_by_its_formula():
         spec = make_spec(TINY_VIT, [{"where": {"last": 1}, "experts": 4, "top_k": top_k, "router": router}])
         layer = moespec.stats(spec).layers[0]
         assert round(layer.gmacs * 1e9) == expected, name
+
+
+def test_a_failed_trace_leaves_the_model_as_it_was(monkeypatch):
+    """fvcore hooks every module before its trace and unhooks them only when the trace succeeds (issue 52: a
+    failed trace left the model unpicklable); `count_macs` leaves the model's hooks as they were either way."""
+    import io
+
+    import fvcore.nn.jit_analysis
+
+    model = moespec.create_model(make_spec(TINY_VIT, [{"where": {"every": 1}, "experts": 4}]), seed=0)
+    own = model.blocks[0].register_forward_hook(lambda module, args, output: None)  # the user's: kept
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("the tracer refused an op")
+
+    monkeypatch.setattr(fvcore.nn.jit_analysis, "_get_trace_graph", fail)
+    with pytest.raises(RuntimeError, match="the tracer refused an op"):
+        count_macs(model, tuple(TINY_INPUT))
+    hooked = {name: (list(m._forward_pre_hooks), list(m._forward_hooks)) for name, m in model.named_modules()
+              if m._forward_pre_hooks or m._forward_hooks}
+    assert hooked == {"blocks.0": ([], [own.id])} and model.training
+    own.remove()
+    torch.save(model, io.BytesIO())

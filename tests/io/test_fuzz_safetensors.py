@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import math
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -29,7 +28,7 @@ SIZES = st.integers(-3, 3) | st.sampled_from([2**31, 2**63 - 1, 2**64, -(2**63)]
 JSON = st.recursive(st.none() | st.booleans() | st.integers(-3, 3) | st.floats(allow_nan=False) | st.text(max_size=3),
                     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=3), inner,
                                                                                 max_size=3), max_leaves=6)
-PROMPT = settings(deadline=timedelta(seconds=5))  # each example well under it: no hang, no huge read
+PROMPT = settings(deadline=None)  # no wall-clock bound (a busy machine fails one); the files are a few bytes
 
 
 @st.composite

@@ -10,7 +10,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
@@ -18,7 +17,7 @@ import torch
 from safetensors.torch import save_file
 
 from moespec.errors import CheckpointError, MoespecError
-from moespec.io import TensorInfo, checkpoint_files, write_safetensors, write_sharded
+from moespec.io import TensorInfo, checkpoint_files, sharding, write_safetensors, write_sharded
 from moespec.io.write_ids import write_id_of
 
 INFOS = [TensorInfo(f"t{i}", (100,), torch.float32) for i in range(4)]  # 400 bytes each
@@ -163,9 +162,11 @@ def test_another_users_stale_temp_file_is_left_alone(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-def test_reading_an_index_is_linear_in_its_shards(tmp_path):
+def test_reading_an_index_is_linear_in_its_shards(tmp_path, monkeypatch):
     """An index of N one-tensor shards took 3.4 s at 3,000 and 11.5 s at 6,000 (quadratic: about 2.5 min at
-    20,000). 20,000 now read well within a bound that the quadratic reading misses by far."""
+    20,000). 20,000 are now read with one header read per shard; the time is `tools/bench_index.py`'s to
+    measure, not a test's: a wall-clock bound fails on a busy machine."""
+    shapes = sharding.safetensors_shapes
     shards = 20_000
     weight_map = {}
     for i in range(shards):
@@ -174,9 +175,10 @@ def test_reading_an_index_is_linear_in_its_shards(tmp_path):
                           lambda info: torch.ones(1), {})
         weight_map[f"t{i}"] = name
     index = _index(tmp_path, weight_map)
-    started = time.monotonic()
+    reads = []  # each shard's header read once: a bound on work (tools/bench_index.py times it)
+    monkeypatch.setattr(sharding, "safetensors_shapes", lambda file: reads.append(file) or shapes(file))
     _, files = checkpoint_files(index)
-    assert len(files) == shards and time.monotonic() - started < 40
+    assert len(files) == shards and len(reads) == shards and len(set(reads)) == shards
 
 
 def test_folders_with_a_writers_names_but_not_its_mark_are_never_moved_or_removed(tmp_path):

@@ -76,3 +76,35 @@ def test_a_router_key_named_like_its_kind_is_reported_at_its_own_path(tmp_path):
     assert "did you mean 'top_k'" in topk.message
     assert "did you mean 'score'" in scor.message
     assert (topk.line, scor.line) == (line_of(text, "topk: 2"), line_of(text, "scor:"))
+
+
+@pytest.mark.parametrize("router, where", [
+    ("{kind: topk, top_k: 5, score: sigmod}", "top_k: 5"),
+    ("{kind: topk, score: sigmod, groups: {count: 3, top: 1}}", "groups:"),
+])
+def test_a_cross_field_check_is_reported_with_the_value_errors_of_its_router(tmp_path, router, where):
+    """A value error in a router (`score: sigmod`) kept pydantic from running the router's check against the
+    group's experts, so `top_k: 5` over 4 experts went unreported until the typo was fixed (issue 52); both
+    are reported at once, each at its own line."""
+    text = ("name: both\nbackbone: {model: vit_small_patch16_224, kwargs: {depth: 2, img_size: 64}}\n"
+            f"input_size: [3, 64, 64]\nmoe:\n  - where: {{every: 2}}\n    experts: 4\n    router: {router}\n")
+    with pytest.raises(SpecError) as error:
+        load_spec(write(tmp_path, text))
+    problems = {p.path: p for p in error.value.problems}
+    field = "top_k" if where == "top_k: 5" else "groups"
+    assert set(problems) == {"moe.0.router.score", f"moe.0.router.{field}"}
+    assert problems["moe.0.router.score"].message.endswith("did you mean 'sigmoid'?")
+    assert problems[f"moe.0.router.{field}"].message == (
+        "top_k (5) must be between 1 and experts (4)" if field == "top_k"
+        else "groups.count (3) must divide experts (4) into equal groups")
+    assert problems[f"moe.0.router.{field}"].line == line_of(text, "router:")
+    assert problems[f"moe.0.router.{field}"].column == text.splitlines()[6].index(where) + 1
+
+
+def test_a_router_valid_but_for_its_typo_and_its_experts_reports_only_the_typo(tmp_path):
+    text = ("name: one\nbackbone: {model: vit_small_patch16_224, kwargs: {depth: 2, img_size: 64}}\n"
+            "input_size: [3, 64, 64]\nmoe:\n  - where: {every: 2}\n    experts: 4\n"
+            "    router: {kind: topk, top_k: 2, score: sigmod}\n")
+    with pytest.raises(SpecError) as error:
+        load_spec(write(tmp_path, text))
+    assert [p.path for p in error.value.problems] == ["moe.0.router.score"]

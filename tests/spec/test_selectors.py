@@ -258,13 +258,25 @@ def test_first_more_than_blocks(tmp_path):
     assert problem.message == "first: 19 asks for more blocks than the model has (18); use 1..18"
 
 
-@pytest.mark.parametrize("where", ["{stage_last: 1}", "{stages: {0: [1]}}"])
-def test_stage_selector_on_one_stage_vit(tmp_path, where):
+@pytest.mark.parametrize("where, blocks", [("{stage_last: 1}", [11]), ("{stage_last: all}", [11]),
+                                           ("{stages: {0: [1, -1]}}", [1, 11]),
+                                           ("{stage_every: 4}", [3, 7, 11])])
+def test_stage_selectors_see_the_one_stage_of_a_vit(tmp_path, where, blocks):
+    """One rule for every stage selector on a single-stage model (issue 52: `validate` took `{stage_every: 2}`
+    on a ViT but refused `{stage_last: 1}`): the model is one stage of 12 blocks."""
+    plan = moespec.plan(load_spec(write(tmp_path, group_spec(VIT, where))))
+    assert [layer.path for layer in plan.layers] == [f"blocks.{i}.mlp" for i in blocks]
+
+
+@pytest.mark.parametrize("where, message", [
+    ("{stage_last: 2}", "stage_last: 2 asks for more stages than the model has (1); use 1..1 or all"),
+    ("{stages: {1: [0]}}", "stage index 1 is out of range; valid: 0..0 or -1..-1"),
+])
+def test_a_second_stage_of_a_vit_is_out_of_range(tmp_path, where, message):
     text = group_spec(VIT, where)
     path, problem = plan_problem(tmp_path, text)
     assert_where_problem(path, problem, text)
-    assert "single stage of 12 blocks" in problem.message
-    assert "{last: N}" in problem.message
+    assert problem.message == message
 
 
 def test_stage_index_out_of_range(tmp_path):

@@ -102,3 +102,40 @@ def test_a_plain_state_dict_without_ema_refuses_ema(tmp_path):
     torch.save(moespec.create_model(spec).state_dict(), path)
     with pytest.raises(CheckpointError, match="has no EMA weights"):
         read_state_dict(path, ema=True)
+
+
+CONVNEXT = {"model": "convnext_tiny", "kwargs": {"depths": [1, 1, 2, 1], "dims": [16, 32, 64, 128]}}
+SWIN = {"model": "swin_tiny_patch4_window7_224",
+        "kwargs": {"depths": [2, 2, 2, 2], "embed_dim": 16, "num_heads": [1, 2, 4, 8], "img_size": 64,
+                   "window_size": 2}}
+
+
+def test_a_checkpoint_of_another_family_names_the_files_own_keys_on_the_command_line(dense_checkpoint, tmp_path):
+    """A Swin checkpoint into a ConvNeXt spec: timm's ConvNeXt filter fails on a Swin key (KeyError), which was
+    an internal error (issue 52); it is one located error, exit 2, naming keys the file holds."""
+    from typer.testing import CliRunner
+
+    from moespec.cli import app
+
+    path, _ = dense_checkpoint(SWIN, name="dense_swin.safetensors")
+    spec_file = tmp_path / "convnext.yaml"
+    spec_file.write_text(make_spec(CONVNEXT, [{"where": {"last": 1}, "experts": 4, "top_k": 1}]).to_yaml())
+    result = CliRunner().invoke(app, ["upcycle", str(spec_file), "--checkpoint", str(path),
+                                      "-o", str(tmp_path / "out.safetensors")])
+    assert result.exit_code == 2, result.output
+    lines = result.output.splitlines()
+    assert lines[0] == (f"moespec: error: checkpoint {path} (keys as the file names them; a ConvNeXt is built) "
+                        f"does not fit the backbone:")
+    assert "unexpected keys: layers.0.blocks.0." in lines[2] and "missing keys: stem.0.weight" in lines[1]
+    assert "internal error" not in result.output and not (tmp_path / "out.safetensors").exists()
+
+
+def test_a_checkpoint_whose_filter_succeeds_but_does_not_fit_names_the_files_keys(tmp_path):
+    """A ViT of depth 1 into a spec of depth 2: timm's ViT filter renames nothing, so the report is the plain
+    one, with no note on the file's names."""
+    small = timm.create_model("vit_small_patch16_224", depth=1, img_size=64, num_classes=7)
+    path = tmp_path / "depth1.pth"
+    torch.save(small.state_dict(), path)
+    with pytest.raises(CheckpointError, match=rf"^checkpoint {path} does not fit the backbone:\n  \d+ missing "
+                       r"keys: blocks.1.norm1.weight"):
+        moespec.weights.upcycle_with_report(make_spec(VIT_7, MOE), path)
