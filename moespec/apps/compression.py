@@ -11,6 +11,7 @@ from typing import Annotated, Callable, Optional
 import typer
 
 from ..errors import MoespecError
+from ..io import check_checkpoint_output, parse_size
 from ..spec import load_spec
 from ..spec.loading import SPEC_SUFFIXES
 from .options import MaxShardSize, OutputFile, Overwrite
@@ -69,7 +70,7 @@ def _compress(operation: str, source: Path, spec: Path | None, images: Path | No
     """One command: check the options and the output, load, call `compress.<operation>_with_report`, print the
     report, write the checkpoint (`weights.save`: atomic, sharded beyond `max_shard_size`)."""
     from ..compress import densify_with_report, merge_with_report, prune_with_report
-    from ..io import check_checkpoint_output, checkpoint_files, parse_size
+    from ..io.sharding import checkpoint_files
     from ..weights import save
 
     counts = () if count is None else (count(),)
