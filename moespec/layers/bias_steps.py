@@ -36,7 +36,7 @@ accumulation uses."""
 
 def _balance(layer: nn.Module):
     """The layer's `BalancingBias`, or None (a router without `bias_balance`, a Soft MoE layer)."""
-    return getattr(layer.router, "balance", None) if isinstance(layer, MoELayer) else None
+    return getattr(getattr(layer, "router", None), "balance", None) if isinstance(layer, MoELayer) else None
 
 
 def step_biases(layers: list[tuple[str, nn.Module]], group=None) -> int:

@@ -209,3 +209,13 @@ def test_every_layer_takes_an_empty_batch_and_one_token_as_the_dense_ffn_does(im
                                                 if p.grad is not None), name
         layer.channels_dim = 1
         assert layer(torch.randn(images, 4, tokens, 2)).shape == (images, 4, tokens, 2), name
+
+
+def test_a_bias_step_passes_over_soft_moe_layers():
+    """`update_bias` steps the routers with a balancing bias and passes over layers without a router (Soft MoE):
+    a model that mixes them (the expert-parallel check's) stepped no layer and raised AttributeError."""
+    import moespec
+
+    model = nn.Sequential(SoftMoE(_bank(experts=3, dim=4), slots_per_expert=2))
+    model(torch.randn(2, 5, 4))
+    assert moespec.update_bias(model) == 0
