@@ -28,7 +28,7 @@ from torch import nn
 from ..backbones import create_backbone, create_weightless_backbone
 from ..compiler import compile_model, moe_layers
 from ..errors import SpecError
-from ..planning import INPUT_SIZE_ERRORS, LayerPlan, Plan, input_size_problem, items_problems, plan_for
+from ..planning import INPUT_SIZE_ERRORS, LayerPlan, Plan, input_size_error, items_problems, plan_for
 from ..spec import Spec
 from .budget import refuse_uncountable
 from .flops import MacCount, count_macs
@@ -195,5 +195,5 @@ def _check_items(spec: Spec, plan: Plan, macs: MacCount) -> None:
 def _macs(spec: Spec, model: nn.Module, input_size: tuple[int, int, int]) -> MacCount:
     try:
         return count_macs(model, input_size)
-    except INPUT_SIZE_ERRORS as error:
-        raise SpecError(input_size_problem(spec, input_size, error)) from None
+    except INPUT_SIZE_ERRORS as error:  # the input size's fault only where the plain forward refuses it too
+        raise input_size_error(spec, input_size, error, step="counting MACs") from None
