@@ -6,7 +6,6 @@ a bug in moespec and exits 1 with a hint to rerun with `--debug`.
 
 from __future__ import annotations
 
-import os
 import sys
 from enum import Enum
 from pathlib import Path
@@ -16,11 +15,11 @@ import typer
 from rich.console import Console
 
 from .apps import terminal
-from .choices import MAX_POINTS, PRECISIONS, STATS_FORMATS
+from .choices import ATTENTION_MATMULS, DISPATCH_FLOPS, MAX_POINTS, PRECISIONS, STATS_FORMATS
 from .errors import MoespecError, SpecError
 from .planning import plan, plan_file
 from .spec import json_schema_text, load_spec, spec_files
-from .spec.loading import previous_release_keys, read_spec_text, upgraded_spec_text
+from .spec.loading import fix_spec_file, previous_release_keys
 
 # Each command imports the stages it needs beyond the spec and the plan inside its body: they import torch and
 # timm, seconds that `moespec --help` and `moespec schema` should not pay (tests/test_cli_imports.py). The plan
@@ -92,7 +91,7 @@ def validate(specs: List[Path] = typer.Argument(..., help="Spec files or folders
             try:
                 p = plan_file(file, cached=True)
                 old_keys = previous_release_keys(file)
-                where = _fix_file(file) if old_keys and fix else ""
+                where = fix_spec_file(file) if old_keys and fix else ""
             except MoespecError as error:
                 failed += 1
                 _report_failure(file, error)
@@ -106,26 +105,6 @@ def validate(specs: List[Path] = typer.Argument(..., help="Spec files or folders
         return 2 if failed else 0
 
     _run(body)
-
-
-def _fix_file(file: Path) -> str:
-    """`validate --fix` of one spec file: the file a symbolic link names is rewritten (the link stays; the
-    returned note says which file changed), and only when it is still what was read (`io.rewrite_file`). A
-    file with other names (hard links) or that is read-only is refused, left as it is."""
-    from .io.atomic import rewrite_file  # the io stage imports safetensors; validate needs it only to write
-
-    target = Path(os.path.realpath(file)) if file.is_symlink() else file
-    status = target.stat()
-    if status.st_nlink > 1:
-        raise MoespecError(f"{file}: has {status.st_nlink} names (hard links); --fix replaces the file, which would "
-                           f"leave the other names with the old text. Move the keys into `router:` by hand, or "
-                           f"copy it to a file of its own and fix that")
-    if not status.st_mode & 0o222:
-        raise MoespecError(f"{file}: read-only; --fix changes only a file you may write. Make it writable "
-                           f"(chmod u+w), then run --fix again")
-    text = read_spec_text(target)
-    rewrite_file(target, upgraded_spec_text(file, text).encode("utf-8"), text.encode("utf-8"), status)
-    return f" (the file it links to, {target})" if target != file else ""
 
 
 RANKS_HELP = ("Per-rank figures under expert parallelism over N ranks: each MoE layer's experts split evenly, the "
@@ -244,6 +223,8 @@ def upcycle_command(
 
 
 Format = Enum("Format", {name: name for name in STATS_FORMATS}, type=str)
+DispatchFlops = Enum("DispatchFlops", {name: name for name in DISPATCH_FLOPS}, type=str)
+AttentionMatmuls = Enum("AttentionMatmuls", {name: name for name in ATTENTION_MATMULS}, type=str)
 """`--format` choices: the renderers of `counting.render`, `choices.STATS_FORMATS`."""
 
 
@@ -256,6 +237,14 @@ def stats_command(
                                                               help="Override the specs' input size; fixed-size models "
                                                               "(ViT, Mixer) are built at it (timm's img_size)."),
     ranks: Optional[int] = typer.Option(None, "--ranks", min=1, metavar="N", help=RANKS_HELP),
+    dispatch_flops: DispatchFlops = typer.Option(
+        DispatchFlops.gather, "--dispatch-flops",
+        help="How MoE dispatch and combine are costed: gather (as moespec runs them) or einsum (one-hot einsums "
+             "over each routing group, every capacity slot through its expert, as JAX implementations run them; "
+             "routers with a capacity only). See docs/counting.md."),
+    attention_matmuls: AttentionMatmuls = typer.Option(
+        AttentionMatmuls.count, "--attention-matmuls",
+        help="count or skip attention's QK^T and AV products (skip: as fvcore alone counts a ViT)."),
 ) -> None:
     """Total and activated parameters and GMACs of each spec, with its dense backbone for comparison.
 
@@ -272,7 +261,8 @@ def stats_command(
             for done, file in enumerate(files):
                 advance(file.name, done, len(files))
                 try:
-                    record = stats(load_spec(file), input_size=input_size)
+                    record = stats(load_spec(file), input_size=input_size, dispatch_flops=dispatch_flops.value,
+                                   attention_matmuls=attention_matmuls.value)
                     splits.append(per_rank(record, ranks) if ranks is not None else None)
                     records.append(record)
                 except MoespecError as error:

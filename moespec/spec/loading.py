@@ -170,3 +170,23 @@ def upgraded_spec_text(path: str | Path, text: str | None = None) -> str:
         raise MoespecError(f"{file}: cannot move {old_keys} into the router without losing what the file says "
                            f"({reason}); move them into `router:` by hand. Nothing was written") from None
     return new_text
+
+
+def fix_spec_file(file: Path) -> str:
+    """`validate --fix` of one spec file: the file a symbolic link names is rewritten (the link stays; the
+    returned note says which file changed), and only when it is still what was read (`io.rewrite_file`). A
+    file with other names (hard links) or that is read-only is refused, left as it is."""
+    from ..io.atomic import rewrite_file  # the io stage imports safetensors; validate needs it only to write
+
+    target = Path(os.path.realpath(file)) if file.is_symlink() else file
+    status = target.stat()
+    if status.st_nlink > 1:
+        raise MoespecError(f"{file}: has {status.st_nlink} names (hard links); --fix replaces the file, which would "
+                           f"leave the other names with the old text. Move the keys into `router:` by hand, or "
+                           f"copy it to a file of its own and fix that")
+    if not status.st_mode & 0o222:
+        raise MoespecError(f"{file}: read-only; --fix changes only a file you may write. Make it writable "
+                           f"(chmod u+w), then run --fix again")
+    text = read_spec_text(target)
+    rewrite_file(target, upgraded_spec_text(file, text).encode("utf-8"), text.encode("utf-8"), status)
+    return f" (the file it links to, {target})" if target != file else ""

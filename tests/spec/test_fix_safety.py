@@ -16,6 +16,7 @@ from typer.testing import CliRunner
 
 import moespec
 import moespec.io.atomic as atomic
+import moespec.spec.loading
 from moespec.cli import app
 from moespec.routers.image import ImageRouterSpec
 from moespec.routers.topk import TopKRouterSpec
@@ -87,14 +88,14 @@ def test_release_0_1s_own_to_yaml_is_fixed(tmp_path):
 def test_an_edit_saved_while_fix_reads_is_kept(tmp_path, monkeypatch):
     """--fix overwrote an edit saved between its read and its rename."""
     path = _write(tmp_path, OLD)
-    upgraded = moespec.cli.upgraded_spec_text
+    upgraded = moespec.spec.loading.upgraded_spec_text
 
     def editor_saves_meanwhile(*args, **kwargs):
         new = upgraded(*args, **kwargs)
         path.write_text(OLD + "# the user's edit\n")  # in place: same inode, other content
         return new
 
-    monkeypatch.setattr(moespec.cli, "upgraded_spec_text", editor_saves_meanwhile)
+    monkeypatch.setattr(moespec.spec.loading, "upgraded_spec_text", editor_saves_meanwhile)
     result = _fix(path)
     assert result.exit_code == 2
     assert result.stderr.startswith(f"moespec: error: {path}: changed while it was being rewritten")
@@ -104,14 +105,14 @@ def test_an_edit_saved_while_fix_reads_is_kept(tmp_path, monkeypatch):
 def test_an_edit_saved_by_a_rename_is_kept(tmp_path, monkeypatch):
     """The same text saved as a new file (an editor's write and rename) is another file: left as it is."""
     path = _write(tmp_path, OLD)
-    upgraded = moespec.cli.upgraded_spec_text
+    upgraded = moespec.spec.loading.upgraded_spec_text
 
     def editor_renames(*args, **kwargs):
         new = upgraded(*args, **kwargs)
         _write(tmp_path, OLD, "saved.tmp").rename(path)
         return new
 
-    monkeypatch.setattr(moespec.cli, "upgraded_spec_text", editor_renames)
+    monkeypatch.setattr(moespec.spec.loading, "upgraded_spec_text", editor_renames)
     assert _fix(path).exit_code == 2
     assert path.read_text() == OLD
 
