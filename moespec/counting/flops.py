@@ -11,11 +11,12 @@ cost under perfect balance and never depends on one input's random routing.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import re
 import types
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -100,6 +101,7 @@ class MacCount:
     moe_items: dict[str, int]  # items routed per MoE layer
     moe_images: dict[str, int]  # images (sequences) per MoE layer: 1 at batch 1
     unsupported: dict[str, int]  # ops fvcore saw but did not count, with their call counts
+    modules: dict[str, int] = dataclasses.field(default_factory=dict)  # MACs of the modules asked for, by path
 
     @property
     def total(self) -> int:
@@ -117,12 +119,13 @@ def layer_macs(layer: MoELayer, items: int, images: int, dispatch_flops: str = "
 
 
 def count_macs(model: nn.Module, input_size: tuple[int, int, int], *, dispatch_flops: str = "gather",
-               attention_matmuls: str = "count") -> MacCount:
+               attention_matmuls: str = "count", modules: Sequence[str] = ()) -> MacCount:
     """Count MACs of `model` on one image of `input_size` (eval mode). The trace runs the forward, so parameters
     need real tensors, though not real values: `create_weightless_backbone`'s zero-stride views will do.
     `dispatch_flops` and `attention_matmuls` are the counting conventions of `choices`; `skip` leaves out the
     QK^T and AV products of every attention, which runs as `F.scaled_dot_product_attention` for the count (timm's
-    `fused_attn`), so that no attention computes them as plain matmuls that the count would keep."""
+    `fused_attn`), so that no attention computes them as plain matmuls that the count would keep. `modules`:
+    paths of modules whose own MACs to report as well (`MacCount.modules`)."""
     if attention_matmuls not in ATTENTION_MATMULS:
         raise ValueError(f"attention_matmuls must be one of {', '.join(ATTENTION_MATMULS)}, not {attention_matmuls!r}")
     layers = {name: m for name, m in model.named_modules() if isinstance(m, MoELayer)}
@@ -144,12 +147,13 @@ def count_macs(model: nn.Module, input_size: tuple[int, int, int], *, dispatch_f
             analysis.tracer_warnings("none")
             backbone = analysis.total()
             unsupported = dict(analysis.unsupported_ops())
+            by_module = analysis.by_module() if modules else {}
     finally:
         model.train(was_training)
     items = {name: m.last_items for name, m in layers.items()}
     images = {name: m.last_images for name, m in layers.items()}
     macs = {name: layer_macs(m, items[name], images[name], dispatch_flops) for name, m in layers.items()}
-    return MacCount(backbone, macs, items, images, unsupported)
+    return MacCount(backbone, macs, items, images, unsupported, {path: by_module[path] for path in modules})
 
 
 def _no_macs(inputs: list[Any], outputs: list[Any]) -> int:
@@ -176,12 +180,12 @@ def _shape_only(layers: Iterator[nn.Module]) -> Iterator[None]:
     """Swap each MoE layer's forward for one that runs its `pre` (traced and counted) and returns zeros of the
     output shape, recording its items."""
 
-    def forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    def forward(self: nn.Module, x: torch.Tensor, *args) -> torch.Tensor:  # args: whole FFN copies' (feat_size)
         x = self.run_pre(x)  # a dense module: fvcore counts it with the backbone
         channels = x.shape[self.channels_dim]
         self.last_items, self.last_images = int(x.numel()) // int(channels), int(x.shape[0])
         shape = list(x.shape)
-        shape[self.channels_dim] = self.experts.out_features
+        shape[self.channels_dim] = getattr(self, "out_features", None) or self.experts.out_features
         return torch.zeros(shape, dtype=x.dtype, device=x.device)
 
     layers = list(layers)

@@ -131,8 +131,12 @@ def _count(spec: Spec, conventions: Conventions) -> SpecStats:
     plan = plan_for(spec, backbone)
     refuse_uncountable(spec, plan.input_size)
     dense_params = count_params(backbone)
-    dense_macs = _macs(spec, backbone, plan.input_size, conventions).total
+    whole = [layer.path for layer in plan.layers if layer.whole_ffn]  # experts that are whole FFN copies
+    dense = _macs(spec, backbone, plan.input_size, conventions, modules=whole)
+    dense_macs = dense.total
     model = compile_model(backbone, plan, moe_device="meta").train()  # counted and costed, never run
+    for path in whole:  # a copy on one image costs what the dense FFN's trace did at batch 1
+        moe_layers(model)[path].ffn_macs = dense.modules[path]
     macs = _macs(spec, model, plan.input_size, conventions)  # MoE layers costed in training mode: the spec's
     _check_items(spec, plan, macs)
     dispatch = conventions.dispatch_flops
@@ -216,9 +220,10 @@ def _check_items(spec: Spec, plan: Plan, macs: MacCount) -> None:
         raise SpecError(problems)
 
 
-def _macs(spec: Spec, model: nn.Module, input_size: tuple[int, int, int], conventions: Conventions) -> MacCount:
+def _macs(spec: Spec, model: nn.Module, input_size: tuple[int, int, int], conventions: Conventions,
+          modules: list[str] | None = None) -> MacCount:
     try:
         return count_macs(model, input_size, dispatch_flops=conventions.dispatch_flops,
-                          attention_matmuls=conventions.attention_matmuls)
+                          attention_matmuls=conventions.attention_matmuls, modules=modules or ())
     except INPUT_SIZE_ERRORS as error:  # the input size's fault only where the plain forward refuses it too
         raise input_size_error(spec, input_size, error, step="counting MACs") from None
