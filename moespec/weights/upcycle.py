@@ -272,6 +272,11 @@ def upcycle_layer(moe: nn.Module, layer: LayerPlan, ffns: Sequence[dict[str, tor
             spec, "upcycle.split",
             f"{layer.path}: split: partition needs experts x expert_hidden <= {layer.dense_hidden} "
             f"(got {layer.num_experts} x {hidden}); use split: slice or narrower experts"))
+    if layer.whole_ffn and options.drop > 0:
+        raise SpecError(spec_problem(
+            spec, "upcycle.drop", f"{layer.path}: its experts are whole copies of an FFN that mixes positions, and "
+                                  f"Drop-Upcycling re-initializes hidden units of per-position experts only; leave "
+                                  f"upcycle.drop out"))
     if layer.whole_ffn:  # whole copies of the FFN: each one its source's state dict (buffers too)
         for copy, source in zip(moe.experts.copies, experts_from, strict=True):
             copy_ffn(copy, ffns[source], options.noise, generator)

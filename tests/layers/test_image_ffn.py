@@ -89,6 +89,15 @@ def test_upcycled_with_identical_experts_is_the_dense_model(case, tmp_path):
     assert (ours - theirs).abs().max() <= 1e-5 * theirs.abs().max()
 
 
+def test_drop_upcycling_is_refused_for_whole_copies(tmp_path):
+    spec = moespec.load_spec({**_spec("pvt_v2", IMAGE).model_dump(exclude_none=True), "upcycle": {"drop": 0.5}})
+    dense = create_backbone(spec)
+    path = tmp_path / "dense.safetensors"
+    save_file({k: v.contiguous() for k, v in dense.state_dict().items()}, str(path))
+    with pytest.raises(moespec.SpecError, match=r"upcycle\.drop: .*whole copies of an FFN that mixes positions"):
+        moespec.upcycle(spec, path)
+
+
 @pytest.mark.parametrize("case", CASES)
 def test_counts_by_hand(case):
     _, _, blocks, ffn_params, ffn_macs, width, positions = CASES[case]
