@@ -14,6 +14,15 @@ name. `io.DTYPE_NAMES` maps them to the torch dtypes."""
 STATS_FORMATS = ("table", "markdown", "csv", "json")
 """What `counting.render` writes stats records as (`--format`)."""
 
+DISPATCH_FLOPS = ("gather", "einsum")
+"""How `stats` costs an MoE layer's dispatch and combine (`--dispatch-flops`): `gather`, as moespec runs it (the
+items indexed to their experts, one MAC per output channel of each weighted row in the combine); `einsum`, as
+JAX implementations run it (one-hot einsums over each routing group, every capacity slot through its expert)."""
+
+ATTENTION_MATMULS = ("count", "skip")
+"""Whether `stats` counts attention's QK^T and AV products (`--attention-matmuls`): `count` (fvcore with
+moespec's handle for them, the default) or `skip` (as fvcore alone counts a ViT, and the seeds' ViT-S figures)."""
+
 MAX_POINTS = 256
 """Grid points a sweep counts unless told more (`--max-points`): ten values in each of five `--set`s are 100,000
 points, hours of counting, better asked for on purpose."""

@@ -7,7 +7,6 @@ a bug in moespec and exits 1 with a hint to rerun with `--debug`.
 from __future__ import annotations
 
 import sys
-from enum import Enum
 from pathlib import Path
 from typing import Annotated, Callable, List, Optional, Tuple
 
@@ -15,8 +14,8 @@ import typer
 from rich.console import Console
 
 from .apps import compression, terminal
-from .apps.options import RANKS_HELP, HubFolder, MaxShardSize, OutputFile, Overwrite
-from .choices import MAX_POINTS, PRECISIONS, STATS_FORMATS, check_seed
+from .apps.options import RANKS_HELP, Attention, Dispatch, DType, Format, HubFolder, MaxShardSize, OutputFile, Overwrite
+from .choices import MAX_POINTS, check_seed
 from .errors import MoespecError, SpecError
 from .io import check_checkpoint_output, check_output, parse_size
 from .planning import plan, plan_file
@@ -166,8 +165,6 @@ def compile_command(
     _run(body)
 
 
-DType = Enum("DType", {name: name for name in PRECISIONS}, type=str)
-"""`--dtype` choices: the names of `choices.PRECISIONS` (`io.DTYPE_NAMES` maps them to torch dtypes)."""
 
 
 @app.command("upcycle")
@@ -222,8 +219,6 @@ def upcycle_command(
     _run(body)
 
 
-Format = Enum("Format", {name: name for name in STATS_FORMATS}, type=str)
-"""`--format` choices: the renderers of `counting.render`, `choices.STATS_FORMATS`."""
 
 
 @app.command("stats")
@@ -235,6 +230,14 @@ def stats_command(
                                                               help="Override the specs' input size; fixed-size models "
                                                               "(ViT, Mixer) are built at it (timm's img_size)."),
     ranks: Optional[int] = typer.Option(None, "--ranks", min=1, metavar="N", help=RANKS_HELP),
+    dispatch_flops: Dispatch = typer.Option(
+        Dispatch.gather, "--dispatch-flops",
+        help="How MoE dispatch and combine are costed: gather (as moespec runs them) or einsum (one-hot einsums "
+             "over each routing group, every capacity slot through its expert, as JAX implementations run them; "
+             "routers with a capacity only). See docs/counting.md."),
+    attention_matmuls: Attention = typer.Option(
+        Attention.count, "--attention-matmuls",
+        help="count or skip attention's QK^T and AV products (skip: as fvcore alone counts a ViT)."),
 ) -> None:
     """Total and activated parameters and GMACs of each spec, with its dense backbone for comparison.
 
@@ -253,7 +256,8 @@ def stats_command(
                 try:
                     loaded, notes = load_model_spec(file), []  # --input-size: checked as input_size; a rebuild is said
                     sized = loaded if input_size is None else at_input_size(loaded, input_size, on_rebuild=notes.append)
-                    record = stats(sized)
+                    record = stats(sized, dispatch_flops=dispatch_flops.value,
+                                   attention_matmuls=attention_matmuls.value)
                     for note in notes:
                         terminal.error(f"moespec: note: {file}: {note}")
                     splits.append(per_rank(record, ranks) if ranks is not None else None)

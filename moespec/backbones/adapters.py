@@ -63,6 +63,12 @@ class Adapter:
         """Why `ffn` cannot be split into experts, or None."""
         return None
 
+    def mixes_positions(self, ffn: nn.Module) -> str | None:
+        """Why `ffn` mixes positions (a depthwise conv or a spatial gate between its projections), or None. Such
+        an FFN cannot be split into per-position experts, since an expert sees only the positions routed to it;
+        under image-level routing each expert is a whole copy of it (`layers.ImageFFNMoE`)."""
+        return None
+
     def pre_module(self, ffn: nn.Module) -> nn.Module | None:
         """A copy of the module `ffn` applies to its input before its first projection (a norm, a depthwise
         conv), which the MoE layer keeps dense and shared (`MoELayer.pre`), or None."""

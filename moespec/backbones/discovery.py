@@ -11,10 +11,12 @@ and returns it all as plain data, a `spec.BackboneSketch`.
 
 from __future__ import annotations
 
+import dataclasses
+
 from torch import nn
 
 from ..errors import Problem, SpecError
-from ..spec import BackboneSketch, Block, BlockLayout, Rescalable
+from ..spec import BackboneSketch, Block, BlockLayout, FFNShape, Rescalable
 from .adapters import ADAPTERS, find_adapter
 from .rebuilders import BLOCK_REBUILDERS, find_rebuilder
 
@@ -97,12 +99,18 @@ def looks_like_ffn(module: nn.Module) -> bool:
     return any(word in name for word in ("mlp", "ffn", "feedforward")) and not name.endswith(("head", "classifier"))
 
 
+def _shape(ffn: nn.Module) -> FFNShape:
+    """The FFN's shape, with why it mixes positions where it does (`Adapter.mixes_positions`)."""
+    adapter = find_adapter(ffn)
+    return dataclasses.replace(adapter.shape(ffn), mixes=adapter.mixes_positions(ffn) or "")
+
+
 def sketch_of(model: nn.Module) -> BackboneSketch:
     """What a plan reads of `model`, as plain data (see `spec.BackboneSketch`)."""
     layout = find_blocks(model)
     modules = dict(model.named_modules())
     sublayers = {f"{block.path}.{sublayer}" for block in layout.blocks for sublayer in block.sublayers}
-    ffns = {path: find_adapter(module).shape(module) for path, module in modules.items() if path in sublayers}
+    ffns = {path: _shape(module) for path, module in modules.items() if path in sublayers}
     blocks = {block.path: modules[block.path] for block in layout.blocks}
     rescalable = {}
     for path, block in blocks.items():

@@ -61,15 +61,15 @@ class EfficientFormerConvMlpAdapter(ComposedAdapter):
 
 @register_adapter(timm_class("efficientformer_v2", "ConvMlpWithNorm"))
 class EfficientFormerV2ConvMlpAdapter(ComposedAdapter):
-    """EfficientFormer-V2: ConvNormAct fc1 (its act inside the BatchNormAct) -> ConvNorm fc2; not with the
-    3x3 depthwise `mid` conv."""
+    """EfficientFormer-V2: ConvNormAct fc1 (its act inside the BatchNormAct) -> ConvNorm fc2; with the 3x3
+    depthwise `mid` conv, whole copies under image routing only."""
 
     family, act, drop = "EfficientFormerV2ConvMlp", "fc1.bn.act", ("drop1", "drop2")
 
-    def refusal(self, ffn: nn.Module) -> str | None:
+    def mixes_positions(self, ffn: nn.Module) -> str | None:
         if not isinstance(ffn.mid, nn.Identity):
             return "its 3x3 depthwise conv `mid` between fc1 and fc2 mixes neighbouring positions of the hidden layer"
-        return super().refusal(ffn)
+        return None
 
 
 @register_adapter(timm_class("levit", "LevitMlp"))
@@ -115,16 +115,18 @@ class SpatialMlpAdapter(ComposedAdapter):
 
 @register_adapter(GatedMlp)
 class GatedMlpAdapter(ComposedAdapter):
-    """timm `GatedMlp` without a gate layer or norm (then fc1 -> act -> fc2); gMLP's spatial gating unit is
-    refused."""
+    """timm `GatedMlp` without a gate layer or norm (then fc1 -> act -> fc2); with gMLP's spatial gating unit,
+    whole copies under image routing only."""
 
     family, drop = "GatedMlp", ("drop1", "drop2")
 
-    def refusal(self, ffn: nn.Module) -> str | None:
+    def mixes_positions(self, ffn: nn.Module) -> str | None:
         if not isinstance(ffn.gate, nn.Identity):
-            return (f"its gate ({type(ffn.gate).__name__}) mixes the tokens of a sequence, and an expert sees only "
-                    f"the tokens routed to it")
-        if not isinstance(ffn.norm, nn.Identity):
+            return f"its gate ({type(ffn.gate).__name__}) mixes the tokens of a sequence"
+        return None
+
+    def refusal(self, ffn: nn.Module) -> str | None:
+        if isinstance(ffn.gate, nn.Identity) and not isinstance(ffn.norm, nn.Identity):
             return f"its inner norm ({type(ffn.norm).__name__}) after the gate is not one moespec experts have"
         return super().refusal(ffn)
 
@@ -146,10 +148,10 @@ class Gemma4GatedMlpAdapter(ComposedAdapter):
 
 @register_adapter(timm_class("pvt_v2", "MlpWithDepthwiseConv"))
 class MlpWithDepthwiseConvAdapter(Adapter):
-    """PVT-v2: fc1 -> 3x3 depthwise conv -> act -> fc2. Refused: no expert can run the conv."""
+    """PVT-v2: fc1 -> 3x3 depthwise conv -> act -> fc2, called as mlp(x, feat_size); whole copies under image
+    routing only."""
 
     family = "MlpWithDepthwiseConv"
 
-    def refusal(self, ffn: nn.Module) -> str | None:
-        return ("its 3x3 depthwise conv `dwconv` between fc1 and fc2 mixes neighbouring positions of the hidden "
-                "layer, and an expert sees only the positions routed to it")
+    def mixes_positions(self, ffn: nn.Module) -> str | None:
+        return "its 3x3 depthwise conv `dwconv` between fc1 and fc2 mixes neighbouring positions of the hidden layer"

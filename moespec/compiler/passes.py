@@ -30,7 +30,7 @@ def replace_ffns(gm: fx.GraphModule, plan: Plan, moe_device: str | torch.device 
     """Graph pass: swap every planned FFN for a freshly built MoE layer, on `moe_device` (default: the FFN's
     device; "meta" for counting without allocating experts)."""
     for layer in plan.layers:
-        leaf = check_call_sites(gm, layer.path, "replace_ffns", plan.model)
+        leaf = check_call_sites(gm, layer.path, "replace_ffns", plan.model, more_args=layer.whole_ffn)
         if leaf is not None:  # swap in a copy of the leaf, which `gm` shares with the model it traced
             gm.set_submodule(leaf, copy_along(gm.get_submodule(leaf), [layer.path[len(leaf) + 1:]]))
         dense = gm.get_submodule(layer.path)
@@ -62,9 +62,12 @@ def rescale_blocks(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     return gm
 
 
-def check_call_sites(gm: fx.GraphModule, path: str, rewrite: str, model: str) -> str | None:
+def check_call_sites(gm: fx.GraphModule, path: str, rewrite: str, model: str, *, more_args: bool = False
+                     ) -> str | None:
     """The module at `path` is called in the traced forward, each time as `module(x)`: one positional
-    argument, no keyword, so that a module of the same signature can take its place.
+    argument, no keyword, so that a module of the same signature can take its place. With `more_args` (an MoE
+    layer of whole FFN copies, which passes them on: PVT-v2's `mlp(x, feat_size)`), more positional arguments
+    may follow the tensor.
 
     Inside a module that the graph calls as a leaf (timm's notrace modules, such as TinyViT's blocks, whose
     forward fx cannot trace) the calls are out of sight: there the module's forward must take one argument,
@@ -75,11 +78,12 @@ def check_call_sites(gm: fx.GraphModule, path: str, rewrite: str, model: str) ->
                     None)
         if leaf is None:
             raise CompileError(f"{rewrite}: {path} is never called in the traced forward of {model}")
-        check_one_argument(gm.get_submodule(path), path, f"{rewrite}: {model} calls {path} inside {leaf}, which "
-                                                         f"torch.fx does not trace")
+        if not more_args:
+            check_one_argument(gm.get_submodule(path), path, f"{rewrite}: {model} calls {path} inside {leaf}, "
+                                                             f"which torch.fx does not trace")
         return leaf
     for call in calls:
-        if len(call.args) != 1 or call.kwargs or not isinstance(call.args[0], fx.Node):
+        if (len(call.args) != 1 and not more_args) or call.kwargs or not isinstance(call.args[0], fx.Node):
             raise CompileError(f"{rewrite}: {model} calls {path} as {call.format_node()}; moespec replaces only "
                                f"modules called on one tensor, module(x)")
 
@@ -101,7 +105,8 @@ def replace_untraced(model: nn.Module, plan: Plan, moe_device: str | torch.devic
     swapped = {}
     for layer in plan.layers:
         dense = model.get_submodule(layer.path)
-        check_one_argument(dense, layer.path, f"replace_ffns: torch.fx could not trace {plan.model}")
+        if not layer.whole_ffn:  # whole FFN copies take the FFN's own arguments
+            check_one_argument(dense, layer.path, f"replace_ffns: torch.fx could not trace {plan.model}")
         with torch.device(moe_device or next(dense.parameters()).device):
             swapped[layer.path] = build_moe(layer, dense)
     return swapped

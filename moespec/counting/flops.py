@@ -11,11 +11,12 @@ cost under perfect balance and never depends on one input's random routing.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import re
 import types
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -25,6 +26,7 @@ with warnings.catch_warnings():  # fvcore scripts a focal loss at import; torch 
     from fvcore.nn import FlopCountAnalysis
     from fvcore.nn.jit_handles import get_shape
 
+from ..choices import ATTENTION_MATMULS, DISPATCH_FLOPS
 from ..layers import MoELayer
 
 FLOP_HANDLES: dict[str, Callable[[list[Any], list[Any]], int]] = {}
@@ -99,36 +101,78 @@ class MacCount:
     moe_items: dict[str, int]  # items routed per MoE layer
     moe_images: dict[str, int]  # images (sequences) per MoE layer: 1 at batch 1
     unsupported: dict[str, int]  # ops fvcore saw but did not count, with their call counts
+    modules: dict[str, int] = dataclasses.field(default_factory=dict)  # MACs of the modules asked for, by path
 
     @property
     def total(self) -> int:
         return self.backbone + sum(self.moe_layers.values())
 
 
-def count_macs(model: nn.Module, input_size: tuple[int, int, int]) -> MacCount:
+def layer_macs(layer: MoELayer, items: int, images: int, dispatch_flops: str = "gather") -> int:
+    """MACs of one MoE layer for `items` items in `images` images, with dispatch and combine costed the
+    `dispatch_flops` way (`choices.DISPATCH_FLOPS`): `einsum` changes only the layers it applies to (a router
+    with a capacity); the others cost the same either way."""
+    if dispatch_flops not in DISPATCH_FLOPS:
+        raise ValueError(f"dispatch_flops must be one of {', '.join(DISPATCH_FLOPS)}, not {dispatch_flops!r}")
+    einsum = layer.einsum_macs(items, images) if dispatch_flops == "einsum" else None
+    return layer.activated_macs(items, images) if einsum is None else einsum
+
+
+def count_macs(model: nn.Module, input_size: tuple[int, int, int], *, dispatch_flops: str = "gather",
+               attention_matmuls: str = "count", modules: Sequence[str] = ()) -> MacCount:
     """Count MACs of `model` on one image of `input_size` (eval mode). The trace runs the forward, so parameters
-    need real tensors, though not real values: `create_weightless_backbone`'s zero-stride views will do."""
+    need real tensors, though not real values: `create_weightless_backbone`'s zero-stride views will do.
+    `dispatch_flops` and `attention_matmuls` are the counting conventions of `choices`; `skip` leaves out the
+    QK^T and AV products of every attention, which runs as `F.scaled_dot_product_attention` for the count (timm's
+    `fused_attn`), so that no attention computes them as plain matmuls that the count would keep. `modules`:
+    paths of modules whose own MACs to report as well (`MacCount.modules`)."""
+    if attention_matmuls not in ATTENTION_MATMULS:
+        raise ValueError(f"attention_matmuls must be one of {', '.join(ATTENTION_MATMULS)}, not {attention_matmuls!r}")
     layers = {name: m for name, m in model.named_modules() if isinstance(m, MoELayer)}
+    handles = dict(FLOP_HANDLES)
+    if attention_matmuls == "skip":
+        handles["aten::scaled_dot_product_attention"] = _no_macs
     was_training = model.training
     model.eval()
     try:
         # no_grad: counting never backpropagates, and autograd's bookkeeping during the trace costs memory
         # (ViT-H/14: +0.7 GiB peak over its 2.4 GiB of weights)
-        with _shape_only(layers.values()), _hooks_kept(model), warnings.catch_warnings(), torch.no_grad():
+        with _shape_only(layers.values()), _hooks_kept(model), _fused_attention(model, attention_matmuls == "skip"), \
+                warnings.catch_warnings(), torch.no_grad():
             warnings.simplefilter("ignore")  # jit tracer chatter
             analysis = FlopCountAnalysis(model, torch.zeros(1, *input_size))
-            analysis.set_op_handle(**FLOP_HANDLES)
+            analysis.set_op_handle(**handles)
             analysis.unsupported_ops_warnings(False)
             analysis.uncalled_modules_warnings(False)
             analysis.tracer_warnings("none")
             backbone = analysis.total()
             unsupported = dict(analysis.unsupported_ops())
+            by_module = analysis.by_module() if modules else {}
     finally:
         model.train(was_training)
     items = {name: m.last_items for name, m in layers.items()}
     images = {name: m.last_images for name, m in layers.items()}
-    macs = {name: m.activated_macs(items[name], images[name]) for name, m in layers.items()}
-    return MacCount(backbone, macs, items, images, unsupported)
+    macs = {name: layer_macs(m, items[name], images[name], dispatch_flops) for name, m in layers.items()}
+    return MacCount(backbone, macs, items, images, unsupported, {path: by_module[path] for path in modules})
+
+
+def _no_macs(inputs: list[Any], outputs: list[Any]) -> int:
+    return 0
+
+
+@contextlib.contextmanager
+def _fused_attention(model: nn.Module, on: bool) -> Iterator[None]:
+    """With `on`, every timm attention of `model` (a module with a `fused_attn` flag) runs through
+    `F.scaled_dot_product_attention` while the context lasts: the same values, one op to count or skip."""
+    flagged = [m for m in model.modules() if isinstance(getattr(m, "fused_attn", None), bool)] if on else []
+    before = [m.fused_attn for m in flagged]
+    for module in flagged:
+        module.fused_attn = True
+    try:
+        yield
+    finally:
+        for module, value in zip(flagged, before, strict=True):
+            module.fused_attn = value
 
 
 @contextlib.contextmanager
@@ -136,12 +180,12 @@ def _shape_only(layers: Iterator[nn.Module]) -> Iterator[None]:
     """Swap each MoE layer's forward for one that runs its `pre` (traced and counted) and returns zeros of the
     output shape, recording its items."""
 
-    def forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    def forward(self: nn.Module, x: torch.Tensor, *args) -> torch.Tensor:  # args: whole FFN copies' (feat_size)
         x = self.run_pre(x)  # a dense module: fvcore counts it with the backbone
         channels = x.shape[self.channels_dim]
         self.last_items, self.last_images = int(x.numel()) // int(channels), int(x.shape[0])
         shape = list(x.shape)
-        shape[self.channels_dim] = self.experts.out_features
+        shape[self.channels_dim] = getattr(self, "out_features", None) or self.experts.out_features
         return torch.zeros(shape, dtype=x.dtype, device=x.device)
 
     layers = list(layers)

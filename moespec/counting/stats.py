@@ -28,6 +28,7 @@ from pydantic import TypeAdapter, ValidationError
 from torch import nn
 
 from ..backbones import create_backbone, create_weightless_backbone
+from ..choices import ATTENTION_MATMULS, DISPATCH_FLOPS
 from ..compiler import compile_model, moe_layers
 from ..errors import SpecError
 from ..planning import (
@@ -35,13 +36,13 @@ from ..planning import (
     LayerPlan,
     Plan,
     input_refusal,
-    input_size_problem,
+    input_size_error,
     items_problems,
     plan_for,
 )
 from ..spec import Spec
 from .budget import refuse_uncountable
-from .flops import MacCount, count_macs
+from .flops import MacCount, count_macs, layer_macs
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,8 @@ class SpecStats:
     layers: list[LayerStats] = field(default_factory=list)
     eval_activated_params: int | None = None  # in eval mode, where some layer differs from training (else None)
     eval_gmacs: float | None = None
+    dispatch_flops: str = "gather"  # the counting conventions of the MACs (`choices`)
+    attention_matmuls: str = "count"
 
     def to_dict(self) -> dict:
         record = asdict(self)
@@ -146,25 +149,47 @@ def _rebuilt_note(spec: Spec, rebuilt: Spec, option: str) -> str | None:
             f"builds it at {was})")
 
 
-def stats(spec: Spec, *, input_size: tuple[int, int, int] | None = None) -> SpecStats:
-    """Parameter and MAC counts of `spec` (at `input_size`, default the spec's) and of its dense backbone."""
+def stats(spec: Spec, *, input_size: tuple[int, int, int] | None = None, dispatch_flops: str = "gather",
+          attention_matmuls: str = "count") -> SpecStats:
+    """Parameter and MAC counts of `spec` (at `input_size`, default the spec's) and of its dense backbone.
+    `dispatch_flops` (`gather` | `einsum`) and `attention_matmuls` (`count` | `skip`) choose how the MACs are
+    counted (`choices.DISPATCH_FLOPS`, `choices.ATTENTION_MATMULS`); parameters are the same either way."""
     if input_size is not None:
         spec = at_input_size(spec, tuple(input_size))
-    return _count(spec)
+    return _count(spec, Conventions(dispatch_flops, attention_matmuls))
 
 
-def _count(spec: Spec) -> SpecStats:
+@dataclass(frozen=True)
+class Conventions:
+    """How the MACs are counted: `count_macs`' keyword arguments."""
+
+    dispatch_flops: str = "gather"
+    attention_matmuls: str = "count"
+
+    def __post_init__(self) -> None:
+        for name, allowed in (("dispatch_flops", DISPATCH_FLOPS), ("attention_matmuls", ATTENTION_MATMULS)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {', '.join(allowed)}, not {getattr(self, name)!r}")
+
+
+def _count(spec: Spec, conventions: Conventions) -> SpecStats:
     """The counts of `spec`, from a dense backbone and a compiled model that live only as long as this call."""
     backbone = create_weightless_backbone(spec)
     plan = plan_for(spec, backbone)
     refuse_uncountable(spec, plan.input_size)
-    dense_params, dense_macs = count_params(backbone), _macs(spec, backbone, plan.input_size).total
+    dense_params = count_params(backbone)
+    whole = [layer.path for layer in plan.layers if layer.whole_ffn]  # experts that are whole FFN copies
+    dense = _macs(spec, backbone, plan.input_size, conventions, modules=whole)
+    dense_macs = dense.total
     model = compile_model(backbone, plan, moe_device="meta").train()  # counted and costed, never run
-    macs = _macs(spec, model, plan.input_size)  # MoE layers costed in training mode, the figures of the spec
+    for path in whole:  # a copy on one image costs what the dense FFN's trace did at batch 1
+        moe_layers(model)[path].ffn_macs = dense.modules[path]
+    macs = _macs(spec, model, plan.input_size, conventions)  # MoE layers costed in training mode: the spec's
     _check_items(spec, plan, macs)
-    layers = [_layer_stats(path, moe, plan.layer(path), macs) for path, moe in moe_layers(model).items()]
+    dispatch = conventions.dispatch_flops
+    layers = [_layer_stats(path, moe, plan.layer(path), macs, dispatch) for path, moe in moe_layers(model).items()]
     model.eval()  # the eval figures: the same items, eval_top_k and eval_capacity_factor where set
-    layers = [_with_eval(layer, moe, plan.layer(layer.path), macs) for layer, moe in
+    layers = [_with_eval(layer, moe, plan.layer(layer.path), macs, dispatch) for layer, moe in
               zip(layers, moe_layers(model).values(), strict=True)]
     total = count_params(model)
     activated = total - sum(layer.params - layer.activated_params for layer in layers)
@@ -186,6 +211,8 @@ def _count(spec: Spec) -> SpecStats:
         layers=layers,
         eval_activated_params=eval_activated if differs else None,
         eval_gmacs=eval_gmacs if differs else None,
+        dispatch_flops=conventions.dispatch_flops,
+        attention_matmuls=conventions.attention_matmuls,
     )
 
 
@@ -195,20 +222,20 @@ def _eval(layer: LayerStats, name: str) -> float:
     return getattr(layer, name) if value is None else value
 
 
-def _with_eval(layer: LayerStats, moe: nn.Module, plan: LayerPlan, macs: MacCount) -> LayerStats:
+def _with_eval(layer: LayerStats, moe: nn.Module, plan: LayerPlan, macs: MacCount, dispatch: str) -> LayerStats:
     """`layer` with its eval-mode figures (the module is in eval mode now), where they differ from training's:
     the router's `eval_top_k` or `eval_capacity_factor` uses other experts per item or another capacity."""
-    activated, gmacs, executed = _figures(moe, macs.moe_items[layer.path], macs.moe_images[layer.path])
+    activated, gmacs, executed = _figures(moe, macs.moe_items[layer.path], macs.moe_images[layer.path], dispatch)
     if (activated, gmacs, executed) == (layer.activated_params, layer.gmacs, layer.executed_gmacs):
         return layer
     return dataclasses.replace(layer, eval_top_k=plan.router.eval_picks(),
                                eval_activated_params=activated, eval_gmacs=gmacs, eval_executed_gmacs=executed)
 
 
-def _layer_stats(path: str, moe: nn.Module, layer: LayerPlan, macs: MacCount) -> LayerStats:
+def _layer_stats(path: str, moe: nn.Module, layer: LayerPlan, macs: MacCount, dispatch: str) -> LayerStats:
     """Params and MACs of one MoE layer (in the module's mode: training, then eval in `_with_eval`)."""
     items = macs.moe_items[path]
-    activated, gmacs, executed = _figures(moe, items, macs.moe_images[path])
+    activated, gmacs, executed = _figures(moe, items, macs.moe_images[path], dispatch)
     routed = count_params(moe.experts)
     return LayerStats(
         path=path, experts=moe.num_experts, top_k=layer.router.picks(), shared_experts=layer.shared_experts,
@@ -218,7 +245,7 @@ def _layer_stats(path: str, moe: nn.Module, layer: LayerPlan, macs: MacCount) ->
     )
 
 
-def _figures(moe: nn.Module, items: int, images: int) -> tuple[int, float, float | None]:
+def _figures(moe: nn.Module, items: int, images: int, dispatch: str) -> tuple[int, float, float | None]:
     """Activated params, activated GMACs and executed GMACs (None without a capacity) of one MoE layer for
     `items` items in `images` images. Activated params: the router, the shared experts and the routed experts
     one routed unit uses (`experts_per_item`: top_k per token or per image, E·C/T for expert choice, every
@@ -227,7 +254,8 @@ def _figures(moe: nn.Module, items: int, images: int) -> tuple[int, float, float
     other = count_params(moe) - routed  # router (or Soft MoE's Phi and scale) + shared experts
     activated = other + round(moe.experts_per_item(items, images) * (routed // moe.num_experts))
     executed = moe.executed_macs(items, images)
-    return activated, moe.activated_macs(items, images) / 1e9, executed / 1e9 if executed is not None else None
+    gmacs = layer_macs(moe, items, images, dispatch) / 1e9
+    return activated, gmacs, executed / 1e9 if executed is not None else None
 
 
 def _check_items(spec: Spec, plan: Plan, macs: MacCount) -> None:
@@ -239,8 +267,10 @@ def _check_items(spec: Spec, plan: Plan, macs: MacCount) -> None:
         raise SpecError(problems)
 
 
-def _macs(spec: Spec, model: nn.Module, input_size: tuple[int, int, int]) -> MacCount:
+def _macs(spec: Spec, model: nn.Module, input_size: tuple[int, int, int], conventions: Conventions,
+          modules: list[str] | None = None) -> MacCount:
     try:
-        return count_macs(model, input_size)
-    except INPUT_SIZE_ERRORS as error:
-        raise SpecError(input_size_problem(spec, input_size, error)) from None
+        return count_macs(model, input_size, dispatch_flops=conventions.dispatch_flops,
+                          attention_matmuls=conventions.attention_matmuls, modules=modules or ())
+    except INPUT_SIZE_ERRORS as error:  # the input size's fault only where the plain forward refuses it too
+        raise input_size_error(spec, input_size, error, step="counting MACs") from None

@@ -3,6 +3,7 @@ balancing biases move, `moespec.update_bias` and the step after every optimizer 
 
 from .experts import Experts, StackedLinear, StackedNorm
 from .gates import BalancingBias, LinearGate, ProjectedGate
+from .image_ffn import FFNCopies, ImageFFNMoE
 from .interfaces import MoELayer, Router
 from .moe import MoE
 from .rescale import Rescale, RescaledBlock, rescaled
@@ -11,6 +12,7 @@ from .routing import AUX_LOSSES, Routing, register_aux_loss
 from .soft import SoftMoE
 from .steps import EXPERT_STEPS, set_expert_step
 
-__all__ = ["AUX_LOSSES", "EXPERT_STEPS", "BalancingBias", "ExpertChoiceRouter", "Experts", "ImageRouter", "LinearGate",
-           "MoE", "MoELayer", "ProjectedGate", "Rescale", "RescaledBlock", "Router", "Routing", "SoftMoE",
-           "StackedLinear", "StackedNorm", "TopKRouter", "register_aux_loss", "rescaled", "set_expert_step"]
+__all__ = ["AUX_LOSSES", "EXPERT_STEPS", "BalancingBias", "ExpertChoiceRouter", "Experts", "FFNCopies", "ImageFFNMoE",
+           "ImageRouter", "LinearGate", "MoE", "MoELayer", "ProjectedGate", "Rescale", "RescaledBlock", "Router",
+           "Routing", "SoftMoE", "StackedLinear", "StackedNorm", "TopKRouter", "register_aux_loss", "rescaled",
+           "set_expert_step"]

@@ -59,6 +59,12 @@ class Router(nn.Module):
         """Expert rows per `items` (one image's) with every expert at its full capacity; None when dropless."""
         return None
 
+    def group_slots(self, items: int) -> tuple[int, int] | None:
+        """(images per routing group, expert slots per group: E x capacity of the group's items) for `items`
+        per image, as the one-hot dispatch and combine einsums of JAX implementations (V-MoE, Soft MoE's
+        baselines) size their [S, E, C] tensors; None for a router without a capacity buffer (dropless)."""
+        return None
+
     def gate_input(self, x: torch.Tensor, images: int = 1) -> torch.Tensor:
         """The vectors the gate scores for items x [T, C] of `images` images: the items themselves, unless a
         router reads one vector per image."""
@@ -111,6 +117,11 @@ class MoELayer(nn.Module):
 
     def executed_macs(self, items: int, images: int) -> int | None:
         """MACs with every expert padded to its capacity (None for a layer without one)."""
+        return None
+
+    def einsum_macs(self, items: int, images: int) -> int | None:
+        """MACs with dispatch and combine as one-hot einsums over each routing group (`stats --dispatch-flops
+        einsum`); None for a layer whose count does not change with it."""
         return None
 
     def router_weights(self) -> list[nn.Parameter]:

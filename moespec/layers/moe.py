@@ -177,6 +177,20 @@ class MoE(MoELayer):
         rows = self.router.capacity_rows(items)
         return None if rows is None else self._macs(items, images, rows)
 
+    def einsum_macs(self, items: int, images: int) -> int | None:
+        """MACs as JAX implementations spend them (`stats --dispatch-flops einsum`; None without a capacity):
+        dispatch `einsum('SM,SEC->ECM')` and combine `einsum('ECM,SEC->SM')` over each routing group of S items
+        into its E x C slots cost S x E x C x (C_in + C_out), and every slot runs through its expert, full or
+        not. A group of g images costs that once for g images, so the einsums grow with the group."""
+        found = self.router.group_slots(items // max(images, 1))
+        if found is None:
+            return None
+        group_images, slots = found
+        einsums = items * slots * (self.experts.in_features + self.experts.out_features)  # S·slots per group
+        rows = round(images * slots / group_images)
+        return (self.router.gate_macs(items, images) + rows * self.experts.macs_per_item() + einsums
+                + items * self.shared_macs())
+
     def _macs(self, items: int, images: int, rows: int | float) -> int:
         per_row = self.experts.macs_per_item() + self.experts.out_features
         return self.router.gate_macs(items, images) + rows * per_row + items * self.shared_macs()

@@ -177,6 +177,12 @@ class TopKRouter(ChoiceRouter):
         images = self.group or 1  # `batch` is costed at the stats' batch, one image
         return self.num_experts * self.capacity(items * images) / images
 
+    def group_slots(self, items: int) -> tuple[int, int] | None:
+        if self.active_capacity_factor() is None:
+            return None
+        images = self.group or 1  # `batch` is costed at the stats' batch, one image
+        return images, self.num_experts * self.capacity(items * images)
+
     def route(self, x: torch.Tensor, images: int = 1) -> Routing:
         logits = at_least_fp32(self.gate(x))
         noisy = logits
@@ -288,6 +294,10 @@ class ExpertChoiceRouter(Router):
 
     def gate_macs(self, items: int, images: int) -> int:
         return items * self.gate.macs_per_item()
+
+    def group_slots(self, items: int) -> tuple[int, int] | None:
+        images = self.group or 1  # `batch` is costed at the stats' batch, one image
+        return images, self.num_experts * self.capacity(items * images)
 
     def experts_per_item(self, items: int, images: int) -> float:
         """E * C rows for T items: about c expert passes per item."""

@@ -14,6 +14,7 @@ from .checks import (
     INPUT_SIZE_ERRORS,
     checkpoint_problem,
     input_refusal,
+    input_size_error,
     input_size_of,
     input_size_problem,
     items_problems,
@@ -21,6 +22,5 @@ from .checks import (
 from .plan import LayerPlan, Plan, RescalePlan, plan, plan_file, plan_for
 
 __all__ = ["INPUT_SIZE_ERRORS", "LayerPlan", "Plan", "RescalePlan", "backbone_facts", "cache_folder",
-           "checkpoint_problem", "input_refusal", "input_size_of", "input_size_problem", "items_problems", "plan",
-           "plan_file",
-           "plan_for"]
+           "checkpoint_problem", "input_refusal", "input_size_error", "input_size_of", "input_size_problem",
+           "items_problems", "plan", "plan_file", "plan_for"]

@@ -154,7 +154,8 @@ def _sketch(data: dict) -> BackboneSketch:
     return BackboneSketch(
         layout=BlockLayout(blocks, tuple(tuple(map(_int, stage)) for stage in layout["stages"])),
         ffns={_str(path): FFNShape(_str(f["family"]), _int(f["in_features"]), _int(f["hidden"]),
-                                   _int(f["out_features"]), _int(f["channels_dim"]))
+                                   _int(f["out_features"]), _int(f["channels_dim"]),
+                                   _str(f.get("mixes", "")))
               for path, f in data["ffns"].items()},
         block_types={_str(path): _str(name) for path, name in data["block_types"].items()},
         rescalable={_str(path): Rescalable(_int(r["tokens"]), _int(r["channels"]), _str(r["token_sublayer"]),

@@ -109,6 +109,22 @@ def input_size_problem(spec: Spec, input_size: tuple[int, int, int], reason: Exc
                                             f"backbone.kwargs")
 
 
+def input_size_error(spec: Spec, input_size: tuple[int, int, int], reason: Exception | str, *, batch: int = 1,
+                     step: str) -> SpecError:
+    """The SpecError at `input_size` for a failure of `step` (counting MACs, measuring a forward) at that size,
+    when the input size is the cause: the plain dense forward, on the meta device, refuses it too. Otherwise
+    the failure is moespec's, not the spec's, and no field is blamed: a RuntimeError is raised, naming the
+    step and its error."""
+    from ..backbones import create_backbone  # timm's import (seconds): a plan from a cached sketch needs none
+
+    refusal = input_refusal(create_backbone(spec, device="meta"), input_size, batch=batch)
+    if refusal is not None:
+        return SpecError(input_size_problem(spec, input_size, refusal))
+    text = reason if isinstance(reason, str) else f"{type(reason).__name__}: {_reason(reason)}"
+    raise RuntimeError(f"{step} of {spec.backbone.model} at input size {list(input_size)} failed, though the "
+                       f"model takes that input: {text}")
+
+
 def input_size_of(spec: Spec, sketch: BackboneSketch) -> tuple[int, int, int]:
     """The spec's input_size, else the backbone's pretrained_cfg input size adjusted by img_size / in_chans."""
     if spec.input_size is not None:

@@ -22,7 +22,7 @@ from ..backbones import create_backbone, placement
 from ..backbones.placement import MEMORY_SHARE
 from ..errors import SpecError
 from ..spec import Spec, spec_problem
-from .checks import input_refusal, input_size_problem
+from .checks import input_refusal, input_size_error
 
 MAX_FORWARD_MACS = 4 * 10**12
 """MACs of one forward that moespec may run: 24 x ViT-H/14 at 224 px (167 G), above SAM's ViT-H at 1,024 px
@@ -72,11 +72,15 @@ def forward_cost_problem(spec: Spec, input_size: tuple[int, int, int], *, batch:
     fits. A model that does not take that input at all is a SpecError at `input_size` saying why (the forward
     would fail)."""
     model = create_backbone(spec, device="meta")
+    # No gradients: FlopCounterMode's module tracker hooks the inputs that require grad, and fails ("Expected
+    # gradient function to be set") on a view of a parameter under no_grad: a MAP head's latent query
+    # (SoViT-400m's `attn_pool.latent.expand(B, -1, -1)`). A shape-only forward needs no autograd anyway.
+    model.requires_grad_(False)
     live, flops = LiveBytes(), FlopCounterMode(display=False)
     with flops, live:
         refusal = input_refusal(model, input_size, batch=batch)
     if refusal is not None:
-        raise SpecError(input_size_problem(spec, input_size, refusal))
+        raise input_size_error(spec, input_size, refusal, batch=batch, step="measuring the forward's cost")
     macs, allowed = flops.get_total_flops() // 2, int(MEMORY_SHARE * placement.device_memory(torch.device("cpu")))
     peak = live.peak + held_bytes
     if macs > MAX_FORWARD_MACS:

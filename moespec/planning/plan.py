@@ -49,6 +49,7 @@ class LayerPlan:
     aux_loss_weights: dict = field(default_factory=dict, hash=False)  # aux-loss kind -> summed weight
     aux_loss_in_backward: bool = False  # the aux loss reaches the gradients without `moespec.aux_loss`
     aux_loss_backward_scale: float = 1.0  # ... times the loop's loss factor (1/N with N accumulation steps)
+    whole_ffn: bool = False  # the experts are whole copies of an FFN that mixes positions (image routing only)
 
 
 @dataclass(frozen=True)
@@ -291,6 +292,10 @@ def _layer_plan(spec: Spec, index: int, group: MoEGroup, block: int, path: str, 
                 f"{group.expert_mlp_ratio} x {shape.in_features} (the input width of {path}) = {exact:g} is not a "
                 f"whole number of hidden units; use expert_hidden instead"))
             return None
+    problem = _whole_ffn_problem(group, path, shape, hidden) if shape.mixes else None
+    if problem is not None:
+        problems.append(spec_problem(spec, f"moe.{index}.{problem[0]}", problem[1]))
+        return None
     return LayerPlan(
         path=path, group=index, block=block, family=shape.family,
         in_features=shape.in_features, dense_hidden=shape.hidden, expert_hidden=hidden,
@@ -299,7 +304,22 @@ def _layer_plan(spec: Spec, index: int, group: MoEGroup, block: int, path: str, 
         aux_loss_weights=_aux_loss_weights(group),
         aux_loss_in_backward=spec.aux_loss_in_backward,
         aux_loss_backward_scale=spec.aux_loss_backward_scale,
+        whole_ffn=bool(shape.mixes),
     )
+
+
+def _whole_ffn_problem(group: MoEGroup, path: str, shape: FFNShape, hidden: int) -> tuple[str, str] | None:
+    """(field, message) where an FFN that mixes positions cannot become the group's MoE layer: only an image-level
+    router sends all of an image's positions to the same experts, each a whole copy of the FFN (so at its width)."""
+    what = f"{path} ({shape.family}): {shape.mixes}"
+    if not group.router.whole_images:
+        return ("router", f"{what}, and an expert under {group.router.kind} routing sees only the positions routed "
+                          f"to it; route whole images instead, with router: {{kind: image}}")
+    if hidden != shape.hidden:
+        width = "expert_hidden" if group.expert_hidden is not None else "expert_mlp_ratio"
+        return (width, f"{what}, so each expert is a whole copy of it, at its hidden width {shape.hidden}, not "
+                       f"{hidden}; leave {width} out")
+    return None
 
 
 def _aux_loss_weights(group: MoEGroup) -> dict[str, float]:

@@ -21,6 +21,7 @@ class ImageRouterSpec(ChoiceRouterSpec):
     """Which vector the gate reads; default: `cls` where the model has a [CLS] token, else `mean`."""
 
     title: ClassVar[str] = "image-level top-k"
+    whole_images: ClassVar[bool] = True
     inspection: ClassVar = Inspection(unit="image", share_label="share of the class's images\nsent to the expert",
                                       tally=routed_pairs)
 
@@ -36,6 +37,13 @@ class ImageRouterSpec(ChoiceRouterSpec):
 
         gate = build_gate(self.gate, layer.in_features, layer.num_experts)
         module = ImageRouter(gate, layer.num_experts, self.top_k, pool=self.pool, **self.choice_options())
+        if layer.whole_ffn:  # experts are whole copies of an FFN that mixes positions
+            from ..layers import ImageFFNMoE
+
+            return ImageFFNMoE(module, experts, shared, out_features=layer.out_features,
+                               channels_dim=layer.channels_dim, aux_loss_weights=dict(layer.aux_loss_weights),
+                               aux_loss_in_backward=layer.aux_loss_in_backward,
+                               aux_loss_backward_scale=layer.aux_loss_backward_scale)
         return sparse_moe(module, layer, experts, shared)
 
     def describe(self, layer: Any) -> str:

@@ -43,6 +43,7 @@ class FFNShape:
     hidden: int
     out_features: int
     channels_dim: int  # -1: features last ([B, N, C] or [B, H, W, C]); 1: [B, C, H, W]
+    mixes: str = ""  # why the FFN mixes positions (a depthwise conv, a spatial gate): then only whole images route
 
 
 @dataclass(frozen=True)

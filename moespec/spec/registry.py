@@ -82,6 +82,7 @@ class RouterSpec(SpecModel):
     load_balanced: ClassVar[bool] = True  # has aux losses (default: one importance_load loss)
     rows_per_expert: ClassVar[bool] = True  # a gate row per expert, which `upcycle.router_init` may start from data
     fixed_experts: ClassVar[str] = ""  # why `moespec prune` / `merge` cannot remove its experts ("" where they can)
+    whole_images: ClassVar[bool] = False  # every position of an image goes to the same experts (image routing)
     inspection: ClassVar[Inspection]
 
     def resolve(self, sketch: Any, model: str) -> "RouterSpec":

@@ -126,15 +126,35 @@ def test_the_bias_a_folded_batchnorm_gives_is_the_experts_even_where_the_conv_ha
 
 
 REFUSED = {  # a dense FFN no expert can run -> words of the reason
-    "pvt_v2": (lambda: timm_file("pvt_v2").MlpWithDepthwiseConv(C, H), "depthwise conv `dwconv`"),
     "visformer spatial": (lambda: timm_file("visformer").SpatialMlp(C, H, spatial_conv=True),
                           "grouped 3x3 conv `conv2`"),
-    "gMLP": (lambda: GatedMlp(C, H, gate_layer=partial(timm_file("mlp_mixer").SpatialGatingUnit, seq_len=4)),
-             "SpatialGatingUnit) mixes the tokens"),
-    "efficientformer_v2 mid": (lambda: timm_file("efficientformer_v2").ConvMlpWithNorm(C, H, mid_conv=True), "`mid`"),
     "3x3 sequential": (lambda: nn.Sequential(nn.Conv2d(C, H, 1), nn.GELU(), nn.Conv2d(H, C, 3, padding=1)),
                        "is a 3x3 conv"),
 }
+MIXES_POSITIONS = {  # a dense FFN that mixes positions: whole copies under image routing -> words of the reason
+    "pvt_v2": (lambda: timm_file("pvt_v2").MlpWithDepthwiseConv(C, H), "depthwise conv `dwconv`"),
+    "gMLP": (lambda: GatedMlp(C, H, gate_layer=partial(timm_file("mlp_mixer").SpatialGatingUnit, seq_len=4)),
+             "SpatialGatingUnit) mixes the tokens"),
+    "efficientformer_v2 mid": (lambda: timm_file("efficientformer_v2").ConvMlpWithNorm(C, H, mid_conv=True), "`mid`"),
+}
+
+
+@pytest.mark.parametrize("name", list(MIXES_POSITIONS))
+def test_an_ffn_that_mixes_positions_is_found_and_says_why(name):
+    """Discovery finds its block (image routing takes it, `tests/layers/test_image_ffn.py`); the plan refuses it
+    under token routing with this reason."""
+    make, words = MIXES_POSITIONS[name]
+    dense = make()
+    adapter = find_adapter(dense)
+    assert adapter.refusal(dense) is None and words in adapter.mixes_positions(dense)
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList([nn.Module()])
+            self.blocks[0].mlp = dense
+
+    assert find_blocks(Net()).blocks[0].sublayers == ("mlp",)
 
 
 @pytest.mark.parametrize("name", list(REFUSED))

@@ -138,9 +138,9 @@ def test_stats_frees_the_models_it_builds(monkeypatch):
     peaks at its largest spec, not at their sum, and pays for no collection of the whole process."""
     built = []  # every module and parameter of the models stats traces: the dense backbone and the compiled one
 
-    def count_macs(model, input_size):
+    def count_macs(model, input_size, **conventions):
         built.extend(weakref.ref(x) for x in (*model.modules(), *model.parameters()))
-        return flops.count_macs(model, input_size)
+        return flops.count_macs(model, input_size, **conventions)
 
     collections = []
     monkeypatch.setattr(sys.modules["moespec.counting.stats"], "count_macs", count_macs)
@@ -184,10 +184,10 @@ def test_stats_allocates_no_weights(monkeypatch):
     device: a spec of billions of parameters costs no weight memory."""
     weightless = []
 
-    def count_macs(model, input_size):
+    def count_macs(model, input_size, **conventions):
         weightless.append(all(p.device.type == "meta" or p.untyped_storage().nbytes() == p.element_size()
                               for p in model.parameters()))
-        return flops.count_macs(model, input_size)
+        return flops.count_macs(model, input_size, **conventions)
 
     monkeypatch.setattr(sys.modules["moespec.counting.stats"], "count_macs", count_macs)
     moespec.stats(make_spec(TINY_VIT, [{"where": {"every": 1}, "experts": 4, "top_k": 2}]))
