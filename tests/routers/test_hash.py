@@ -113,9 +113,9 @@ def test_an_empty_batch_and_one_token_route_as_the_dense_ffn_runs(hash_kind, ima
 
 
 def test_the_readme_worked_example_is_the_file():
-    """README's "Worked example" is `moespec/routers/hash.py` after its docstring, as it is."""
+    """docs/extending.md's "Worked example" is `moespec/routers/hash.py` after its docstring, as it is."""
     root = Path(__file__).parents[2]
-    readme = (root / "README.md").read_text(encoding="utf-8")
+    readme = (root / "docs" / "extending.md").read_text(encoding="utf-8")
     section = readme[readme.index("**Worked example: a hash router.**"):]
     block = section[section.index("```python\n") + len("```python\n"):section.index("```\n", 10)]
     code = (root / "moespec" / "routers" / "hash.py").read_text(encoding="utf-8")

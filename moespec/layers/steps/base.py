@@ -57,6 +57,8 @@ def combined(out: torch.Tensor, rows: RoutedRows, tokens: int) -> torch.Tensor:
     On a busy CPU a scatter-add's cost explodes (its threads wait for each other); a gather's does not."""
     if rows.position is None:
         return scatter_weighted(out, rows.item, rows.weights, tokens)
+    if not (torch.is_grad_enabled() and (out.requires_grad or rows.weights.requires_grad)):
+        return weighted_sum(out, rows)  # each product rounded, then summed: as the scatter-add summed them
     position = rows.position
     flat = position.reshape(-1)
     weights = rows.weights.index_select(0, flat).view(position.shape)
