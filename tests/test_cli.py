@@ -182,11 +182,13 @@ def test_stats_json(cli):
     assert [r["spec"] for r in records] == [str(p) for p in SPEC_FILES]
     assert [r["name"] for r in records] == [p.stem.replace("_", "-") for p in SPEC_FILES]  # the specs' names
     keys = ["name", "spec", "backbone", "input_size", "total_params", "activated_params", "dense_params", "gmacs",
-            "dense_gmacs", "moe_layers", "experts_total", "layers", "eval_activated_params", "eval_gmacs"]
+            "dense_gmacs", "moe_layers", "experts_total", "layers", "eval_activated_params", "eval_gmacs",
+            "dispatch_flops", "attention_matmuls"]  # the counting conventions (issue 51): the defaults here
     for record in records:
         assert list(record) == keys
         # no shipped spec sets eval_top_k or eval_capacity_factor: the eval figures are the training ones (null)
         assert record["eval_activated_params"] is None and record["eval_gmacs"] is None, record["name"]
+        assert (record["dispatch_flops"], record["attention_matmuls"]) == ("gather", "count")
         assert type(record["gmacs"]) is float and type(record["dense_gmacs"]) is float
         for layer in record["layers"]:
             assert {"path", "experts", "top_k", "shared_experts", "params", "activated_params", "gmacs",
