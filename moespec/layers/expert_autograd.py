@@ -37,7 +37,7 @@ class ExpertLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, offsets, expert, dropped=False):
-        ctx.save_for_backward(x, weight, offsets, expert)
+        ctx.save_for_backward(x, weight, offsets)
         ctx.has_bias, ctx.dropped = bias is not None, dropped
         if offsets is None:
             if bias is None:
@@ -50,7 +50,7 @@ class ExpertLinear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        x, weight, offsets, expert = ctx.saved_tensors
+        x, weight, offsets = ctx.saved_tensors
         grad = grad.contiguous()
         x, weight = x.to(grad.dtype), weight.to(grad.dtype)  # autocast ran forward in grad's lower precision
         need_x, need_weight, need_bias = ctx.needs_input_grad[:3]
