@@ -20,6 +20,7 @@ from torch.autograd.function import once_differentiable
 from .dispatch import traced
 from .gradient_memory import empty_gradient
 from .grouped import segment_mm, segment_outer, segment_slices, segment_sum
+from .side_by_side import each
 
 
 class ExpertLinear(torch.autograd.Function):
@@ -69,8 +70,9 @@ class ExpertLinear(torch.autograd.Function):
         if ctx.has_bias and need_bias:
             if eager_cpu:  # one sum per segment: no scatter-add, whose cost explodes on a busy CPU
                 grad_bias = grad.new_empty(weight.shape[:2])
-                for e, rows in segment_slices(offsets):
-                    torch.sum(grad[rows], 0, out=grad_bias[e])  # no rows: zeros
+                segments = list(segment_slices(offsets))
+                each(lambda segment: torch.sum(grad[segment[1]], 0, out=grad_bias[segment[0]]),  # no rows: zeros
+                     segments, [(rows.stop - rows.start) * grad.shape[1] for _, rows in segments], device=grad.device)
             else:  # deterministic, and no atomics piling onto E rows as in index_add_ on a GPU
                 grad_bias = segment_sum(grad, offsets)
         return grad_x, grad_weight, grad_bias, None, None, None
@@ -82,8 +84,9 @@ def _weight_gradient_cpu(grad: torch.Tensor, x: torch.Tensor, offsets: torch.Ten
     per expert into the gradient's kept memory (`empty_gradient`; grouped_mm has no out=, and its fresh tensor
     is page-faulted in at every step: docs/dispatch.md)."""
     out = empty_gradient(weight)
-    for e, rows in segment_slices(offsets):
-        torch.mm(grad[rows].t(), x[rows], out=out[e])  # no rows: zeros
+    segments = list(segment_slices(offsets))
+    each(lambda segment: torch.mm(grad[segment[1]].t(), x[segment[1]], out=out[segment[0]]),  # no rows: zeros
+         segments, [(rows.stop - rows.start) * grad.shape[1] for _, rows in segments], device=grad.device)
     return out
 
 
@@ -170,8 +173,11 @@ class SegmentGraphs(torch.autograd.Function):
     def forward(ctx, x, bank, segments, groups, *params):
         needs = ctx.needs_input_grad
         out = x.new_empty(x.shape[0], bank.out_features)
-        ctx.graphs, ctx.params = [], params
-        for e, rows in expert_segments(segments):
+        tasks = list(expert_segments(segments))
+        ctx.graphs, ctx.params = [None] * len(tasks), params
+
+        def segment(i):  # on one thread, side by side with the other segments (`side_by_side`)
+            e, rows = tasks[i]
             leaves = [x[rows].detach().requires_grad_(needs[0])]
             leaves += [p[e].detach().requires_grad_(need) if p is not None else None
                        for p, need in zip(params, needs[4:], strict=True)]
@@ -179,8 +185,11 @@ class SegmentGraphs(torch.autograd.Function):
                 y = bank._expert(leaves[0], leaves[1:], groups[rows] if groups is not None else None)
             out[rows] = y.detach()
             y.untyped_storage().resize_(0)  # backward needs y's graph, not its values (fc2 and dropout keep none)
-            ctx.graphs.append((e, rows, leaves, y))
-        ctx.x_shape, ctx.segments = x.shape, segments
+            ctx.graphs[i] = (e, rows, leaves, y)
+
+        each(segment, range(len(tasks)), [(rows.stop - rows.start) * bank.hidden for _, rows in tasks],
+             device=x.device)
+        ctx.x_shape, ctx.segments, ctx.hidden = x.shape, segments, bank.hidden
         return out
 
     @staticmethod
@@ -191,7 +200,9 @@ class SegmentGraphs(torch.autograd.Function):
         grads += [empty_gradient(p) if p is not None and need else None
                   for p, need in zip(ctx.params, needs[4:], strict=True)]
         keep = _keeps_graph()
-        for e, rows, leaves, y in ctx.graphs:
+
+        def segment(graph):  # on one thread, side by side with the other segments (`side_by_side`)
+            e, rows, leaves, y = graph
             wanted = [i for i, leaf in enumerate(leaves) if leaf is not None and leaf.requires_grad]
             got = torch.autograd.grad(y, [leaves[i] for i in wanted], grad[rows], retain_graph=keep,
                                       allow_unused=True)
@@ -201,6 +212,9 @@ class SegmentGraphs(torch.autograd.Function):
                     target.zero_()
                 else:
                     target.copy_(g)
+
+        each(segment, ctx.graphs, [(rows.stop - rows.start) * ctx.hidden for _, rows, _, _ in ctx.graphs],
+             device=grad.device)
         empty = [e for e, count in enumerate(ctx.segments) if not count]  # zero (filling all would cost a pass)
         for g in grads[1:]:
             if g is not None and empty:

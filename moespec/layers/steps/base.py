@@ -8,6 +8,7 @@ import torch
 from ..expert_autograd import CombinePairs, GatherPairs
 from ..routing import inverse_permutation
 from ..rows import RoutedRows, Segments
+from ..side_by_side import each
 
 
 class ExpertStep:
@@ -66,13 +67,30 @@ def combined(out: torch.Tensor, rows: RoutedRows, tokens: int) -> torch.Tensor:
 
 
 def weighted_sum(out: torch.Tensor, rows: RoutedRows) -> torch.Tensor:
-    """[T, C'] sum over j of weights[r] * out[r], r = position[t, j] the rows of item t, with autograd recording
-    nothing: one gather, product and sum per choice, on [T, C'] (the products as `scaled` makes them)."""
-    position = rows.position
-    y = None
-    for j in range(position.shape[1]):
-        picked = scaled(out.index_select(0, position[:, j]), rows.weights.index_select(0, position[:, j]).unsqueeze(-1))
-        y = picked if y is None else y.add_(picked)
+    """[T, C'] sum over j of weights[r] * out[r], r = position[t, j] the rows of item t: one gather, product and
+    sum per choice (the products as `scaled` makes them, each rounded before the sum). Where autograd records
+    nothing, into one buffer, in spans of items side by side on a CPU with threads to spare (`side_by_side`);
+    where it records (the gates of frozen experts), in one span."""
+    position, weights = rows.position, rows.weights
+    tokens, k = position.shape
+    records = torch.is_grad_enabled() and (out.requires_grad or weights.requires_grad)
+    y = None if records else out.new_empty(tokens, out.shape[-1], dtype=torch.promote_types(out.dtype, weights.dtype))
+
+    def span(items: slice):
+        acc = None
+        for j in range(k):
+            at = position[items, j]
+            product = scaled(out.index_select(0, at), weights.index_select(0, at).unsqueeze(-1))
+            if y is not None and j == k - 1:
+                return y[items].copy_(product) if acc is None else torch.add(acc, product, out=y[items])
+            acc = product if acc is None else acc.add_(product)
+        return acc
+
+    if y is None:
+        return span(slice(None))
+    step = max(1, -(-tokens // (4 * torch.get_num_threads())))
+    spans = [slice(start, min(start + step, tokens)) for start in range(0, tokens, step)]
+    each(span, spans, [(s.stop - s.start) * k * out.shape[-1] for s in spans], device=out.device)
     return y
 
 

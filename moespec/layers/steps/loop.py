@@ -3,10 +3,13 @@
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from ..expert_autograd import SegmentGraphs, expert_segments
 from ..rows import RoutedRows, Segments
+from ..side_by_side import each
 from .base import ExpertStep, scaled, scatter_weighted, weighted_sum
 
 
@@ -23,9 +26,14 @@ class LoopStep(ExpertStep):
             return SegmentGraphs.apply(x, bank, counts, groups, *bank._param_list())
         params = [bank._unbind(p) for p in bank._param_list()]
         out = x.new_empty(x.shape[0], bank.out_features)
-        for e, rows in expert_segments(counts):
+
+        def expert(task):  # on one thread, side by side with the other segments (`side_by_side`)
+            e, rows = task
             one = [p[e] if p is not None else None for p in params]
             out[rows] = bank._expert(x[rows], one, groups[rows] if groups is not None else None)
+
+        segments = list(expert_segments(counts))
+        each(expert, segments, [(rows.stop - rows.start) * bank.hidden for _, rows in segments], device=x.device)
         return out
 
     def combine(self, bank, items: torch.Tensor, rows: RoutedRows, groups: torch.Tensor | None) -> torch.Tensor | None:
@@ -39,19 +47,23 @@ class LoopStep(ExpertStep):
             return None
         params = [bank._unbind(p) for p in bank._param_list()]
         segments = list(expert_segments(rows.counts.tolist()))
-        if rows.position is not None:
-            x = items.index_select(0, rows.item)
-            rows_groups = groups.index_select(0, rows.item) if groups is not None else None
-            out, kept = None, 0
-            for e, segment in segments:
-                one = bank._expert(x[segment], [p[e] if p is not None else None for p in params],
-                                   rows_groups[segment] if rows_groups is not None else None)
-                if out is None:
-                    out = one.new_empty(x.shape[0], one.shape[-1])
-                out[segment], kept = one, segment.stop
-            if out is not None:
-                out[kept:] = 0  # the dropped rows
-                return weighted_sum(out, rows)
+        if rows.position is not None and segments:
+            out, lock = [None], threading.Lock()
+
+            def expert(task):  # the segment's rows gathered, run and written, on one thread (`side_by_side`)
+                e, segment = task
+                index = rows.item[segment]
+                y = bank._expert(items.index_select(0, index), [p[e] if p is not None else None for p in params],
+                                 groups.index_select(0, index) if groups is not None else None)
+                with lock:
+                    if out[0] is None:  # the experts' output dtype (autocast's, or the items')
+                        out[0] = y.new_empty(rows.item.shape[0], y.shape[-1])
+                out[0][segment] = y
+
+            each(expert, segments, [(segment.stop - segment.start) * bank.hidden for _, segment in segments],
+                 device=items.device)
+            out[0][segments[-1][1].stop:] = 0  # the dropped rows
+            return weighted_sum(out[0], rows)
         y = None
         for e, segment in segments:
             index = rows.item[segment]
