@@ -24,11 +24,13 @@
    batch`): the router alone and the whole layer, forward, interleaved; ratio image / batch.
 5. Peers (`--peers`, needs `pip install -e ".[bench]"`): the MoE blocks a user would pick instead
    (tools/moe_peers.py: transformers' Mixtral and Qwen3-MoE blocks, DeepSpeed's MoE at ep_size=1,
-   soft-moe-pytorch; torchtune where its release has an MoE), built with moespec's router and expert
-   weights, each output checked against a per-expert reference, then timed interleaved at T = 6304, d = 384,
-   expert width 1536; each ratio is to the dense FFN of its own family (SwiGLU or GELU MLP) with equal
-   activated FLOPs. Then Soft MoE against soft-moe-pytorch from 8 to 1024 experts, with one slot per expert
-   and with 1024 slots in all. A peer that is not installed is skipped with a note.
+   lucidrains' mixture-of-experts (top-2 only) and st-moe-pytorch (top-n, n >= 2), both dropless through a
+   capacity of the whole sequence, soft-moe-pytorch; torchtune where its release has an MoE), built with
+   moespec's router and expert weights, each output checked against a per-expert reference, then timed
+   interleaved at T = 6304, d = 384, expert width 1536; each ratio is to the dense FFN of its own family
+   (SwiGLU or GELU MLP) with equal activated FLOPs. Then Soft MoE against soft-moe-pytorch from 8 to 1024
+   experts, with one slot per expert and with 1024 slots in all. A peer that is not installed is skipped with
+   a note.
 With `--load N`, N busy processes (each a Python loop that never sleeps) run beside the benchmark for all of
 it, as on a shared machine, laptop or CI runner; the load average before and after is printed and written to the
 JSON. Run it once with and once without, and compare the ratios: a ratio to the dense FFN, both timed under the
@@ -57,7 +59,8 @@ import moespec
 from moespec.layers import ExpertChoiceRouter, Experts, LinearGate, MoE, SoftMoE, TopKRouter, set_expert_step
 from moespec.layers.steps import EXPERT_STEPS
 
-PEER_LIBRARIES = ("torch", "transformers", "deepspeed", "torchtune", "soft-moe-pytorch")
+PEER_LIBRARIES = ("torch", "transformers", "deepspeed", "torchtune", "soft-moe-pytorch", "mixture-of-experts",
+                  "st-moe-pytorch")
 PEER_TOLERANCE = 1e-5  # max |output - reference| / max |reference|, fp32
 
 

@@ -4,7 +4,9 @@ Used by `tools/bench_moe.py --peers`. Each peer is built from one moespec layer'
 weights always, the same expert weights where the structures match) and comes with a per-expert reference
 computed by hand from those weights under the peer's own semantics, so that the benchmark checks every
 output before it times it. A peer whose library is not installed (or has no such block) is skipped with a
-note; `pip install -e ".[bench]"` brings them all.
+note; `pip install -e ".[bench]"` brings them all. Each family is timed against its own dense FFN; the GELU
+peer whose experts have no biases (mixture-of-experts) is timed against the same biased GELU MLP: at top-2 the
+MLP's biases add 9d additions to the 16 d^2 multiply-adds of a token (under 0.2% at d = 384).
 
     family  implementation                        semantics (top-k weights)
     swiglu  moespec MoE, SwiGLU Experts            softmax, top-k, renormalized (as Mixtral)
@@ -15,6 +17,21 @@ note; `pip install -e ".[bench]"` brings them all.
             deepspeed.moe.layer.MoE, ep_size=1     GShard gating, dropless (`drop_tokens=False`), without
                                                    its random parts (`use_rts`, 2nd-expert sampling): top-1
                                                    keeps the softmax value, top-2 renormalizes
+            mixture-of-experts MoE (Top2Gating)    softmax, top-2, renormalized (g / (g1 + g2 + 1e-9)); top-2 only.
+                                                   Deterministic with second_policy 'all' (its default 'random'
+                                                   samples the 2nd expert); dropless with capacity factor E, which
+                                                   makes the capacity the whole sequence: every expert runs on every
+                                                   position of every sequence (E / 2 times the routed rows), the
+                                                   price of dropless in a capacity-shaped dispatch. Its experts have
+                                                   no biases: moespec's weights without the biases go in, and the
+                                                   reference leaves them out too
+            st-moe-pytorch MoE (TopNGating)        softmax, top-n, renormalized; n >= 2 only (it asserts). Its
+                                                   threshold policy routes to the n-th expert with probability
+                                                   min(1, g_n / threshold): threshold 0 (clamped to 1e-9) routes
+                                                   always, so a gate is random only where it weighs below 1e-9.
+                                                   Dropless with capacity factor E, as above. It takes any expert
+                                                   modules: timm-Mlp-shaped GELU experts with moespec's weights (its
+                                                   own default is a GEGLU expert of width 8d / 3, multiplicative bias)
     soft    moespec SoftMoE                        l2-normalized logits times a learned scale, raw slot inputs
             soft-moe-pytorch SoftMoE               RMS-normalized tokens and slot embeddings, normalized inputs
 """
@@ -68,25 +85,27 @@ def dense(family: str, hidden: int) -> nn.Module:
     return Mlp(DIM, hidden)
 
 
-def expert_fn(experts: Experts) -> Callable[[int, torch.Tensor], torch.Tensor]:
-    """Expert e of a moespec bank on rows x [S, C], by hand from its stacked weights."""
+def expert_fn(experts: Experts, biases: bool = True) -> Callable[[int, torch.Tensor], torch.Tensor]:
+    """Expert e of a moespec bank on rows x [S, C], by hand from its stacked weights; `biases=False` leaves the
+    bank's biases out (for a peer whose experts have none)."""
     fc1, fc2 = experts.fc1, experts.fc2
+    bias1, bias2 = (fc1.bias, fc2.bias) if biases else (None, None)
 
     def run(e: int, x: torch.Tensor) -> torch.Tensor:
-        h = F.linear(x, fc1.weight[e], None if fc1.bias is None else fc1.bias[e])
+        h = F.linear(x, fc1.weight[e], None if bias1 is None else bias1[e])
         if experts.glu:
             a, b = h.chunk(2, dim=-1)
             h = F.silu(a) * b
         else:
             h = F.gelu(h)
-        return F.linear(h, fc2.weight[e], None if fc2.bias is None else fc2.bias[e])
+        return F.linear(h, fc2.weight[e], None if bias2 is None else bias2[e])
 
     return run
 
 
-def topk_reference(gate_weight: torch.Tensor, top_k: int, normalize: bool, experts: Experts):
+def topk_reference(gate_weight: torch.Tensor, top_k: int, normalize: bool, experts: Experts, biases: bool = True):
     """Token choice top-k, dropless, computed expert by expert: y_t = sum_j w_tj * expert_{e_tj}(x_t)."""
-    run = expert_fn(experts)
+    run = expert_fn(experts, biases)
 
     def reference(x: torch.Tensor) -> torch.Tensor:
         items = x.reshape(-1, x.shape[-1])
@@ -114,7 +133,8 @@ def topk_peers(family: str, experts: int, top_k: int) -> tuple[list[Peer], list[
     builders = (
         [("transformers mixtral", _mixtral), ("transformers mixtral eager", _mixtral_eager),
          ("transformers qwen3-moe", _qwen3), ("torchtune", _torchtune)]
-        if family == "swiglu" else [("deepspeed", _deepspeed)]
+        if family == "swiglu"
+        else [("deepspeed", _deepspeed), ("mixture-of-experts", _mixture_of_experts), ("st-moe-pytorch", _st_moe)]
     )
     for name, build in builders:
         try:
@@ -185,7 +205,8 @@ def _torchtune(layer, experts, top_k):
 
 
 class _FirstOutput(nn.Module):
-    """DeepSpeed's MoE returns (output, aux loss, expert counts); the benchmark wants the output."""
+    """DeepSpeed's MoE returns (output, aux loss, expert counts), lucidrains' (output, losses...); the benchmark
+    wants the output."""
 
     def __init__(self, moe: nn.Module):
         super().__init__()
@@ -213,6 +234,48 @@ def _deepspeed(layer, experts, top_k):
             expert[2].weight.copy_(layer.experts.fc2.weight[e])
             expert[2].bias.copy_(layer.experts.fc2.bias[e])
     return _FirstOutput(moe), topk_reference(layer.router.gate.weight, top_k, top_k == 2, layer.experts)
+
+
+def _mixture_of_experts(layer, experts, top_k):
+    """lucidrains' mixture-of-experts MoE (Top2Gating, GShard as in tensor2tensor), made deterministic (second
+    policy 'all') and dropless (capacity factor E: the capacity is the sequence length), in train and eval mode
+    alike. Its gate is a [C, E] matrix, its experts [E, C, H] and [E, H, C] without biases."""
+    _need("mixture_of_experts")
+    if top_k != 2:
+        raise _Missing(f"mixture-of-experts gates top-2 only (Top2Gating), not top-{top_k}")
+    from mixture_of_experts import MoE as LucidMoE
+
+    moe = LucidMoE(DIM, num_experts=experts, hidden_dim=HIDDEN, activation=nn.GELU,
+                   second_policy_train="all", second_policy_eval="all",
+                   capacity_factor_train=float(experts), capacity_factor_eval=float(experts))
+    with torch.no_grad():
+        moe.gate.w_gating.copy_(layer.router.gate.weight.t())
+        moe.experts.w1.copy_(layer.experts.fc1.weight.transpose(1, 2))
+        moe.experts.w2.copy_(layer.experts.fc2.weight.transpose(1, 2))
+    return _FirstOutput(moe), topk_reference(layer.router.gate.weight, 2, True, layer.experts, biases=False)
+
+
+def _st_moe(layer, experts, top_k):
+    """lucidrains' st-moe-pytorch MoE (TopNGating, ST-MoE's router z-loss) with threshold 0 (every one of the top
+    n routed) and capacity factor E (dropless), in train and eval mode alike, on timm-Mlp-shaped GELU experts."""
+    _need("st_moe_pytorch")
+    if top_k < 2:
+        raise _Missing(f"st-moe-pytorch's TopNGating needs top-n >= 2 (it asserts), not top-{top_k}")
+    from st_moe_pytorch import MoE as StMoE
+
+    bank = nn.ModuleList(nn.Sequential(nn.Linear(DIM, HIDDEN), nn.GELU(), nn.Linear(HIDDEN, DIM))
+                         for _ in range(experts))
+    moe = StMoE(DIM, num_experts=experts, gating_top_n=top_k, threshold_train=0.0, threshold_eval=0.0,
+                capacity_factor_train=float(experts), capacity_factor_eval=float(experts), experts=bank,
+                is_distributed=False)
+    with torch.no_grad():
+        moe.gate.to_gates.weight.copy_(layer.router.gate.weight)
+        for e, expert in enumerate(moe.experts.experts):
+            expert[0].weight.copy_(layer.experts.fc1.weight[e])
+            expert[0].bias.copy_(layer.experts.fc1.bias[e])
+            expert[2].weight.copy_(layer.experts.fc2.weight[e])
+            expert[2].bias.copy_(layer.experts.fc2.bias[e])
+    return _FirstOutput(moe), topk_reference(layer.router.gate.weight, top_k, True, layer.experts)
 
 
 def soft_peers(experts: int, slots: int, tokens: int) -> tuple[list[Peer], list[Skipped]]:
