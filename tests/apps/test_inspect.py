@@ -114,6 +114,7 @@ def test_shares_are_consistent_for_every_router_kind(report):
         assert sorted(layer.class_order) == [0, 1, 2]
 
 
+@pytest.mark.slow  # 8 s: every image routed alone
 def test_shares_and_experts_per_image_match_routing_each_image_alone(workspace, report):
     """Batching must not change the class attribution: route each image alone and count by hand. The same for
     seed 003's Table 5 figure: the distinct experts an image's tokens reach, averaged over the images."""
@@ -206,6 +207,7 @@ def test_class_order_groups_classes_by_their_top_expert():
     assert class_order(share) == [1, 3, 0, 4, 2]
 
 
+@pytest.mark.slow  # 10 s: the whole report, plots included
 def test_the_report_folder(workspace, report, tmp_path):
     result, _ = report
     output = write_report(result, tmp_path / "report")

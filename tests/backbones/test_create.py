@@ -58,6 +58,7 @@ def test_counts_and_flags_that_are_not_block_counts_pass():
     assert load_spec({"backbone": {"model": "vit_small_patch16_224", "kwargs": kwargs}}).backbone.kwargs == kwargs
 
 
+@pytest.mark.slow  # 8 s: a subprocess that builds timm's meta model
 def test_validate_of_a_million_blocks_is_refused_before_a_block_is_built(tmp_path):
     """A million ViT blocks grew past 1.5 GB in 45 s as they were built. The refusal is bounded on work, not on
     time (a time bound failed on a busy machine, issue 52): timm is never asked to build the model, and the

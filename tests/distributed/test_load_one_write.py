@@ -48,7 +48,8 @@ SWAP = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("shard_size", [10**9, 20_000], ids=["one-file", "sharded"])
+@pytest.mark.parametrize("shard_size", [pytest.param(10**9, id="one-file"),  # the sharded case: 10 s
+                                        pytest.param(20_000, id="sharded", marks=pytest.mark.slow)])
 def test_a_write_between_the_spec_read_and_the_tensor_read_is_not_mixed_in(tmp_path, shard_size):
     """The checkpoint is replaced (top-1 -> top-2) right after load has read the spec: the model is the write
     whose spec it was read with, weights included."""

@@ -85,6 +85,7 @@ class _Payload:
         return builtins.open, (str(self.marker), "w")
 
 
+@pytest.mark.slow  # 13 s: a subprocess per rename
 def test_a_save_killed_at_each_rename_loads_old_or_new_and_the_next_save_works(tmp_path):
     points = _worker(tmp_path, "points", timeout=120)
     assert points["rename"] == 3, points  # DCP's .metadata, the old state moved aside, the new one moved in
