@@ -35,7 +35,7 @@ try:
 except ImportError:  # the torch ops run everywhere
     triton = None
 
-BLOCK_M, BLOCK_N, NUM_WARPS = 32, 128, 4  # elementwise tiles of 4096 elements: 32 per thread of 4 warps
+CONFIG = {"BLOCK_M": 32, "BLOCK_N": 128, "num_warps": 4}  # elementwise tiles of 4096 elements, 32 per thread
 
 
 def bias_act(pre: torch.Tensor, bias: torch.Tensor, expert: torch.Tensor, offsets: torch.Tensor, *, act: str,
@@ -95,10 +95,9 @@ def launch(pre: torch.Tensor, bias: torch.Tensor, expert: torch.Tensor, act: int
     pre, bias, expert = pre.contiguous(), bias.contiguous(), expert.contiguous()
     h = pre.new_empty(rows, hidden)
     if rows and hidden:
-        grid = (triton.cdiv(rows, BLOCK_M), triton.cdiv(hidden, BLOCK_N))
+        grid = (triton.cdiv(rows, CONFIG["BLOCK_M"]), triton.cdiv(hidden, CONFIG["BLOCK_N"]))
         _bias_act_kernel[grid](pre, bias, expert, h, rows, hidden, bias.shape[0], pre.stride(0), bias.stride(0),
-                               h.stride(0), ACT=act, GLU=glu, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-                               num_warps=NUM_WARPS)
+                               h.stride(0), ACT=act, GLU=glu, **CONFIG)
     return h
 
 
@@ -109,10 +108,9 @@ def launch_backward(grad: torch.Tensor, pre: torch.Tensor, bias: torch.Tensor, e
     grad, pre, bias, expert = grad.contiguous(), pre.contiguous(), bias.contiguous(), expert.contiguous()
     dpre = torch.empty_like(pre)
     if rows and hidden:
-        grid = (triton.cdiv(rows, BLOCK_M), triton.cdiv(hidden, BLOCK_N))
+        grid = (triton.cdiv(rows, CONFIG["BLOCK_M"]), triton.cdiv(hidden, CONFIG["BLOCK_N"]))
         _bias_act_backward_kernel[grid](grad, pre, bias, expert, dpre, rows, hidden, bias.shape[0], grad.stride(0),
-                                        pre.stride(0), bias.stride(0), dpre.stride(0), ACT=act, GLU=glu,
-                                        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, num_warps=NUM_WARPS)
+                                        pre.stride(0), bias.stride(0), dpre.stride(0), ACT=act, GLU=glu, **CONFIG)
     return dpre
 
 
