@@ -1,12 +1,14 @@
-"""Registers, spills and shared memory of the fused step's Triton kernels, compiled for a Hopper GPU (sm_90) on
+"""Registers, spills and shared memory of the fused step's Triton kernels and of the grouped step's `bias_act`
+kernels (`layers/bias_act.py`), compiled for a Hopper GPU (sm_90) on
 any machine, no GPU needed:
 
     python tools/kernel_report.py            # the launches of a ViT-B layer (d = 768, expert width 3072), bf16
 
-Each kernel is compiled as a real launch specializes it: its config from `fused.CONFIGS`, its flags, and the
-divisibility hints Triton adds at a launch (every pointer 16-byte aligned, every integer argument that is a
-multiple of 16 marked so, an integer equal to 1 made a constant). ptxas' own report (`-v`) gives the registers,
-the spill stores and loads, and the stack frame. tests/layers/test_fused_step.py asserts that no kernel spills.
+Each kernel is compiled as a real launch specializes it: its config from `fused.CONFIGS` (or `bias_act.CONFIG`),
+its flags, and the divisibility hints Triton adds at a launch (every pointer 16-byte aligned, every integer
+argument that is a multiple of 16 marked so, an integer equal to 1 made a constant). ptxas' own report (`-v`)
+gives the registers, the spill stores and loads, and the stack frame. tests/layers/test_fused_step.py asserts
+that no kernel spills.
 """
 
 from __future__ import annotations
@@ -22,10 +24,12 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from moespec.layers import fused  # noqa: E402
+from moespec.layers import bias_act, fused  # noqa: E402
 
-INDEX_POINTERS = {"order_ptr", "a_order_ptr", "b_order_ptr"}  # int64
+INDEX_POINTERS = {"order_ptr", "a_order_ptr", "b_order_ptr", "expert_ptr"}  # int64
 FP32_POINTERS = {"gate_ptr", "dgate_ptr", "dy_ptr"}  # gates and the output gradient under fp32 gates
+FP32_POINTERS_OF = {"_bias_act_kernel": {"bias_ptr"},  # bias_act reads fc1's fp32 bias under autocast
+                    "_bias_act_backward_kernel": {"bias_ptr"}}
 ABSENT = {"GATHER": ["order_ptr"], "SCATTER": ["order_ptr"], "HAS_BIAS": ["b_ptr"], "HAS_GATE": ["gate_ptr"],
           "A_GATHER": ["a_order_ptr"], "B_GATHER": ["b_order_ptr"], "SCALE_A": ["gate_ptr"], "BIAS_GRAD": ["bias_ptr"]}
 
@@ -76,7 +80,26 @@ def launches(dim: int = 768, hidden: int = 3072, experts: int = 8, top_k: int = 
          {"A_GATHER": True, "B_GATHER": False, "SCALE_A": True, "BIAS_GRAD": True},
          {"a_div": top_k, "b_div": 1, "m_size": dim, "n_size": hidden, "stride_a": dim, "stride_b": hidden,
           "stride_oe": dim * hidden, "stride_om": hidden, "stride_bias": dim}),
+        *bias_act_launches(hidden, experts, rows),
     ]
+
+
+def bias_act_launches(hidden: int, experts: int, rows: int) -> list:
+    """The grouped step's `bias_act` kernels (`layers/bias_act.py`), forward and backward, GELU and SwiGLU."""
+    found = []
+    for label, act, glu in (("gelu", 0, 0), ("swiglu", 1, 1)):
+        wide = hidden * (2 if glu else 1)
+        common = {"rows": rows, "hidden": hidden, "experts": experts, "stride_pre": wide, "stride_bias": wide}
+        found += [(f"bias_act {label}", bias_act._bias_act_kernel, bias_act.CONFIG, {"ACT": act, "GLU": glu},
+                   {**common, "stride_h": hidden}),
+                  (f"bias_act backward {label}", bias_act._bias_act_backward_kernel, bias_act.CONFIG,
+                   {"ACT": act, "GLU": glu}, {**common, "stride_grad": hidden, "stride_dpre": wide})]
+    return found
+
+
+def _config(config_name: str | dict, dtype: torch.dtype) -> dict:
+    """A kernel's config: `fused`'s by name, or the config itself (`bias_act.CONFIG`)."""
+    return dict(config_name) if isinstance(config_name, dict) else fused._config(config_name, dtype)
 
 
 def compile_for_hopper(kernel, config_name: str, flags: dict, integers: dict, dtype: torch.dtype = torch.bfloat16):
@@ -84,13 +107,15 @@ def compile_for_hopper(kernel, config_name: str, flags: dict, integers: dict, dt
     import triton
     from triton.backends.compiler import GPUTarget
 
-    config = fused._config(config_name, dtype)
+    config = _config(config_name, dtype)
     options = {k: config.pop(k) for k in ("num_warps", "num_stages") if k in config}
     if kernel is fused._outer_kernel:
         config.pop("GROUP_M", None)
     element = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
     absent = {name for flag, on in flags.items() if not on for name in ABSENT.get(flag, [])}
-    constants = {**flags, **config, "PRECISION": "ieee"}
+    constants = {**flags, **config}
+    if "PRECISION" in inspect.signature(kernel.fn).parameters:  # the matmul kernels' (bias_act has no tl.dot)
+        constants["PRECISION"] = "ieee"
     signature, attrs = {}, {}
     for index, name in enumerate(inspect.signature(kernel.fn).parameters):
         if name in constants:
@@ -98,8 +123,9 @@ def compile_for_hopper(kernel, config_name: str, flags: dict, integers: dict, dt
         elif name in absent:  # `fused._launch` passes an absent pointer as the int 0
             signature[name] = "i32"
         elif name.endswith("_ptr"):
+            fp32 = name in FP32_POINTERS or name in FP32_POINTERS_OF.get(kernel.fn.__name__, ())
             signature[name] = ("*i32" if name == "offsets_ptr" else "*i64" if name in INDEX_POINTERS
-                               else "*fp32" if name in FP32_POINTERS else f"*{element}")
+                               else "*fp32" if fp32 else f"*{element}")
             attrs[(index,)] = [["tt.divisibility", 16]]
         else:
             value = integers.get(name, 16 * 1000)  # row_blocks and the like: a multiple of 16 or not, as it falls
@@ -140,9 +166,9 @@ def main() -> None:
     print(f"{'kernel':32s} {'config':44s} {'regs':>5s} {'spill st/ld B':>14s} {'stack B':>8s} {'smem KB':>8s}")
     for label, kernel, config_name, flags, integers in launches():
         report = ptxas_report(compile_for_hopper(kernel, config_name, flags, integers))
-        config = fused._config(config_name, torch.bfloat16)
-        shape = (f"{config['BLOCK_M']}x{config['BLOCK_N']}x{config['BLOCK_K']} w{config['num_warps']} "
-                 f"s{config['num_stages']} g{config.get('GROUP_M', 1)}")
+        config = _config(config_name, torch.bfloat16)
+        shape = (f"{config['BLOCK_M']}x{config['BLOCK_N']}x{config.get('BLOCK_K', '-')} w{config['num_warps']} "
+                 f"s{config.get('num_stages', '-')} g{config.get('GROUP_M', 1)}")
         print(f"{label:32s} {shape:44s} {report['registers']:5d} "
               f"{report['spill_stores']:6d}/{report['spill_loads']:<7d} {report['stack']:8d} "
               f"{report['shared'] / 1024:8.1f}")

@@ -40,24 +40,11 @@ from contextlib import contextmanager
 import torch
 
 from .grouped import GROUPED_DTYPES, has_grouped_mm
+from .tracing import traced
 
 CPU_LOOP_FROM = 128  # mean rows per expert from which the loop is the fastest step on CPU
 CPU_EQUAL_LOOP_FROM = (128, 512)  # equal segments (no padding): the loop from here, forward | autograd records
 CPU_PADDED_WASTE = (1.5, 10.0, 1 / 256)  # below: padded while E x largest <= max(1, 1.5 + 10/m - m/256) x rows
-
-
-def traced() -> bool:
-    """Whether torch.export or torch.compile is tracing this call (torch < 2.3 has no such query)."""
-    return getattr(torch.compiler, "is_compiling", lambda: False)()
-
-
-def exporting() -> bool:
-    """Whether torch.export is tracing this call: the flag `torch.compiler.is_exporting()` reads, read directly.
-    torch 2.11's Dynamo answers the call itself with True under torch.compile too, and the MoE layers took the
-    export path there (every expert on every item, no routing state, so `moespec.aux_loss` returned an
-    earlier step's losses); torch 2.14 answers it right."""
-    flag = getattr(torch.compiler, "_is_exporting_flag", None)
-    return torch.compiler.is_exporting() if flag is None else bool(flag)
 
 
 def sync_free(device: torch.device) -> bool:

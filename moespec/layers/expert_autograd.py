@@ -17,10 +17,10 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from .dispatch import traced
 from .gradient_memory import empty_gradient
 from .grouped import segment_mm, segment_outer, segment_slices, segment_sum
 from .side_by_side import each
+from .tracing import traced
 
 
 class ExpertLinear(torch.autograd.Function):

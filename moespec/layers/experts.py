@@ -316,11 +316,28 @@ class Experts(ChoosesStep, nn.Module):
     def _unbind(p: torch.Tensor | None) -> Sequence[torch.Tensor] | None:
         return p.unbind(0) if p is not None else None
 
-    def _expert(self, x: torch.Tensor, params: list, groups: torch.Tensor | None, linear=None) -> torch.Tensor:
+    def _expert(self, x: torch.Tensor, params: list, groups: torch.Tensor | None, linear=None,
+                activated=None) -> torch.Tensor:
         """One expert on rows x [S, C] (params of one expert), or every expert on a padded batch [E, M, C]
-        (stacked params, norm params [E, 1, H]); `linear` overrides how fc1 / fc2 are applied."""
+        (stacked params, norm params [E, 1, H]); `linear` overrides how fc1 / fc2 are applied, `activated` how
+        fc1 and the activation (with the GLU's gating) are (the grouped step's `bias_act`)."""
         w1, b1, norm_w, norm_b, w2, b2 = params
         linear = _linear if linear is None else linear  # not `or`: torch 2.11's Dynamo cannot test a function
+        if activated is not None:
+            h = activated(x, w1, b1)
+        else:
+            h = self._activated(linear, x, w1, b1, norm_w, norm_b)
+        h = F.dropout(h, self.drop[0], self.training)  # before the inner norm, as timm's FFNs drop (drop1, norm)
+        if self.inner_norm == "layernorm":
+            h = _layer_norm(h, norm_w, norm_b, self.norm.eps)
+        elif self.inner_norm == "grn":
+            h = _global_response_norm(h, norm_w, norm_b, self.norm.eps, groups)
+        out = linear(h, w2, b2) if self.clamp is None else _clamped_linear(linear, h, w2, b2, self.clamp[2])
+        return F.dropout(out, self.drop[1], self.training)
+
+    def _activated(self, linear, x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None,
+                   norm_w: torch.Tensor | None, norm_b: torch.Tensor | None) -> torch.Tensor:
+        """fc1, then the activation (GLU: and the gating; "layernorm_before_act": the norm first)."""
         h = linear(x, w1, b1) if self.clamp is None else self._clamped_fc1(linear, x, w1, b1)
         if self.glu is not None:
             a, b = h.chunk(2, dim=-1)
@@ -332,13 +349,7 @@ class Experts(ChoosesStep, nn.Module):
             h = self.act(_layer_norm(h, norm_w, norm_b, self.norm.eps))
         else:
             h = self.act(h)
-        h = F.dropout(h, self.drop[0], self.training)  # before the inner norm, as timm's FFNs drop (drop1, norm)
-        if self.inner_norm == "layernorm":
-            h = _layer_norm(h, norm_w, norm_b, self.norm.eps)
-        elif self.inner_norm == "grn":
-            h = _global_response_norm(h, norm_w, norm_b, self.norm.eps, groups)
-        out = linear(h, w2, b2) if self.clamp is None else _clamped_linear(linear, h, w2, b2, self.clamp[2])
-        return F.dropout(out, self.drop[1], self.training)
+        return h
 
     def _clamped_fc1(self, linear, x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None) -> torch.Tensor:
         """fc1 with clamped input and output; under a GLU each half with its own bounds (`clamp` rows 0, 1)."""

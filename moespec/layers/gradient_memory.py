@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .dispatch import traced
+from .tracing import traced
 
 SMALLEST = 1 << 20  # bytes; below this malloc's heap serves gradients again and again without page faults
 BLOCKS_PER_PARAMETER = 2

@@ -1,7 +1,8 @@
 """The jagged expert matmuls of the grouped step, as torch custom ops: opaque to torch.compile, with their own
 fake (shape) functions, so that a compiled MoE layer has static shapes and no graph break in any dtype.
 (torch's own `_grouped_mm` has a fake kernel that takes only bf16 / fp16: torch.compile of an fp32 layer
-stopped in it.)
+stopped in it.) While torch.compile or torch.export traces in bf16 / fp16, `F.grouped_mm` goes into the graph
+itself instead (`aten._grouped_mm`), so that inductor tunes the GEMMs and fuses around them (issue 46, point 6).
 
     segment_mm(x, weight, offsets, transpose, dropped)  y[r] = x[r] @ weight[e].T (or weight[e]), r in e's rows
     segment_outer(a, b, offsets)                       [E, M, N]: sum over e's rows of a[r]^T b[r]
@@ -21,7 +22,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .tracing import traced
+
 GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what F.grouped_mm computes in (not float64)
+VISIBLE_DTYPES = (torch.bfloat16, torch.float16)  # traced as `aten._grouped_mm` itself (`_inductor_sees`)
 
 
 def has_grouped_mm() -> bool:
@@ -89,13 +93,27 @@ def segment_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, *, 
                dropped: bool = False) -> torch.Tensor:
     """[S, N]: row r of x [S, K] times weight[e].T (weight [E, N, K]; `transpose=False`: weight[e], weight
     [E, K, N]), e the expert whose segment holds r. With `dropped`, rows past offsets[-1] give 0."""
+    w = weight.transpose(1, 2) if transpose else weight
+    if _inductor_sees(x, *w.shape[1:]):
+        y = F.grouped_mm(x, w, offs=offsets)
+        return _zero_dropped(y, offsets) if dropped else y
     return _segment_mm(x, weight, offsets, transpose, dropped)
 
 
 def segment_outer(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """[E, M, N]: sum over the rows r of expert e of a[r]^T b[r] (a [S, M], b [S, N]); 0 for an expert without
     rows; rows past offsets[-1] take no part."""
+    if _inductor_sees(a, a.shape[1], b.shape[1]):
+        return F.grouped_mm(a.t(), b, offs=offsets)
     return _segment_outer(a, b, offsets)
+
+
+def _inductor_sees(like: torch.Tensor, *widths: int) -> bool:
+    """Whether the grouped matmul goes into the traced graph as `aten._grouped_mm` itself, not as the opaque
+    custom op: while torch.compile or torch.export traces, in bf16 / fp16 (the dtypes whose `_grouped_mm` has a
+    fake kernel and a tuned inductor lowering), with 16-byte aligned strides. Inductor can then choose the
+    GEMM's kernel and fuse around it."""
+    return traced() and like.dtype in VISIBLE_DTYPES and _grouped(like, *widths)
 
 
 def segment_sum(rows: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:

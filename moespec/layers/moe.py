@@ -24,10 +24,10 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .bias_steps import BIAS_ON_STEP
-from .dispatch import exporting
 from .experts import Experts
 from .interfaces import MoELayer, Router
 from .routing import AUX_LOSSES, Routing, items_per_image
+from .tracing import exporting
 
 
 class MoE(MoELayer):

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .dispatch import exporting, sync_free
+from .dispatch import sync_free
 from .gates import BalancingBias, LinearGate, ProjectedGate  # noqa: F401 (LinearGate, ProjectedGate: re-exported)
 from .interfaces import Router
 from .routing import (
@@ -32,6 +32,7 @@ from .routing import (
     load_counts,
     smooth_load,
 )
+from .tracing import exporting
 
 
 def choose_experts(noisy: torch.Tensor, top_k: int, *, score: str = "softmax", normalize: bool = False,

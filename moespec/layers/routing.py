@@ -11,8 +11,8 @@ import torch
 from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
 from .collectives import all_reduce_sum
-from .dispatch import exporting
 from .rows import RoutedRows, Segments
+from .tracing import exporting
 
 
 @dataclass

@@ -28,7 +28,7 @@ from typing import Callable, Sequence, TypeVar
 
 import torch
 
-from .dispatch import traced
+from .tracing import traced
 
 T = TypeVar("T")
 

@@ -34,9 +34,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from .collectives import all_reduce_sum
-from .dispatch import exporting
 from .experts import Experts
 from .interfaces import MoELayer
+from .tracing import exporting
 
 
 class SoftMoE(MoELayer):

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import moespec
-from moespec.layers.dispatch import exporting
+from moespec.layers.tracing import exporting
 
 from ..conftest import make_spec
 
@@ -95,3 +95,54 @@ def test_compiled_eval_and_training_step_break_no_graph_and_warn_nothing(router,
     assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
     assert not counters["graph_break"], dict(counters["graph_break"])
     assert not [str(w.message) for w in recwarn]
+
+
+def _compiled_layer_step(autocast: bool, backend) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Output and gradients of a top-2 GELU layer's training step (fp32 weights; under bf16 autocast or not),
+    its layer compiled with `backend`."""
+    from torch import nn
+
+    from moespec.layers.experts import Experts
+    from moespec.layers.moe import MoE
+    from moespec.layers.routers import LinearGate, TopKRouter
+
+    torch.manual_seed(0)
+    layer = MoE(TopKRouter(LinearGate(32, 4), 4, 2), Experts(4, 32, 64, 32, act=nn.GELU())).train()
+    x = torch.randn(2, 9, 32, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    run = layer if backend is None else torch.compile(layer, backend=backend)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        y = run(x)
+    y.float().square().sum().backward()
+    return y.detach(), [x.grad] + [p.grad for p in layer.parameters()]
+
+
+@pytest.mark.parametrize("autocast", [True, False], ids=["bf16-autocast", "fp32"])
+def test_under_compile_the_bf16_grouped_matmuls_are_visible_to_inductor(autocast):
+    """Issue 46, point 6: in bf16 the traced forward and backward graphs hold `aten._grouped_mm` itself, which
+    inductor tunes and fuses around, and no opaque `moespec.segment_*` op; in fp32 (whose `_grouped_mm` has no
+    fake kernel in torch <= 2.11) the custom ops stay. The graphs are recorded by an AOTAutograd backend;
+    inductor itself then compiles the bf16 step on CPU and gives what the eager step gives."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    graphs = []
+
+    def record(graph, example_inputs):
+        graphs.append(graph.code)
+        return make_boxed_func(graph.forward)
+
+    torch._dynamo.reset()
+    _compiled_layer_step(autocast, aot_autograd(fw_compiler=record, bw_compiler=record))
+    assert len(graphs) == 2  # forward and backward
+    for code in graphs:
+        if autocast:
+            assert "aten._grouped_mm" in code and "moespec.segment_" not in code
+        else:
+            assert "moespec.segment_mm" in code and "_grouped_mm" not in code
+    if autocast:
+        torch._dynamo.reset()
+        y, grads = _compiled_layer_step(True, "inductor")
+        y_eager, grads_eager = _compiled_layer_step(True, None)
+        torch.testing.assert_close(y, y_eager, rtol=5e-2, atol=5e-2)
+        for got, want in zip(grads, grads_eager, strict=True):
+            torch.testing.assert_close(got, want, rtol=5e-2, atol=5e-2)

@@ -172,14 +172,15 @@ def test_dropped_pairs_follow_the_segments_with_weight_zero():
 
 
 class OpDtypes(TorchDispatchMode):
-    """The dtypes of the tensors going into moespec's grouped matmul ops."""
+    """The dtypes of the tensors going into moespec's grouped matmul ops (not `bias_act`, which reads fc1's fp32
+    bias as it is)."""
 
     def __init__(self):
         super().__init__()
         self.dtypes: set[torch.dtype] = set()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if str(func).startswith("moespec."):
+        if str(func).startswith("moespec.segment_"):
             self.dtypes |= {a.dtype for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()}
         return func(*args, **(kwargs or {}))
 

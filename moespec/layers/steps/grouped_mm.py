@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import torch
 
+from ..bias_act import bias_act
 from ..dispatch import autocast_dtype, sync_free
 from ..expert_autograd import CombinePairs, ExpertLinear, GatherPairs
+from ..fused import activation
 from ..routing import inverse_permutation
 from ..rows import RoutedRows, Segments
 from .base import ExpertStep
@@ -30,28 +32,31 @@ class GroupedStep(ExpertStep):
 
     def combine(self, bank, items: torch.Tensor, rows: RoutedRows, groups: torch.Tensor | None) -> torch.Tensor | None:
         """`combine` on the sync-free path, when each item has k rows (`position`; not for a bank whose rows
-        travel to other ranks, `Experts.fuses_pairs`): its passes over the rows are the gather, the two grouped
-        matmuls, the activation and the combine. fc1's bias rides as one more input column (items
-        [T, C | 1 0..], weights [E, H, C | bias 0..], padded to 16 bytes), so that no [P, H] tensor of biases is
-        gathered and added; fc2's bias is folded into the combine (`CombinePairs`; not under output dropout,
-        which it precedes). The gather and the combine go back by gathers (`GatherPairs`, `CombinePairs`), not
-        atomic scatter-adds. On CPU eagerly the bank gathers and combines (`base.gathered`, `base.combined`)."""
+        travel to other ranks, `Experts.fuses_pairs`): its passes over the rows are the gather, fc1's grouped
+        matmul without bias, fc1's bias with the activation in one op (`bias_act`, where `_bias_act_name` allows;
+        elsewhere fc1's bias per row and the plain ops), fc2's grouped matmul and the combine. No copy of the
+        weight bank: each weight is cast once, to autocast's dtype, and read by one grouped matmul in forward
+        and one per gradient in backward. fc2's bias is folded into the combine (`CombinePairs`; not under
+        output dropout, which it precedes). The gather and the combine go back by gathers (`GatherPairs`,
+        `CombinePairs`), not atomic scatter-adds. On CPU eagerly the bank gathers and combines
+        (`base.gathered`, `base.combined`)."""
         if not bank.fuses_pairs(rows.position) or not sync_free(items.device):
             return None
         segments, position = rows.segments, rows.position
         expert = segments.expert_of_rows(rows.item.shape[0])
         w1, b1, norm_w, norm_b, w2, b2 = bank._param_list()
         dtype = autocast_dtype(items.device) or w1.dtype
-        if b1 is not None:
-            items, w1 = _with_bias_column(items, w1, b1, dtype)
-        else:
-            items, w1 = items.to(dtype), w1.to(dtype)
+        items, w1 = items.to(dtype), w1.to(dtype)
         fold = b2 is not None and not (bank.training and bank.drop[1] > 0)
         w2, b2 = w2.to(dtype), None if b2 is None else b2.to(dtype)
         x = GatherPairs.apply(items, rows.item, position)
         norm = [segments.per_row(p, expert) for p in (norm_w, norm_b)]
-        out = bank._expert(x, [w1, None, *norm, w2, None if fold else b2], None,
-                           linear=_segment_linear(segments, expert))
+        linear = _segment_linear(segments, expert)
+        act = _bias_act_name(bank)
+        activated = None if act is None else _bias_activated(linear, segments, expert, act, bank.glu)
+        if act is None and b1 is not None:  # the plain ops: the bias per row, in the matmuls' dtype
+            b1 = b1.to(dtype)
+        out = bank._expert(x, [w1, b1, *norm, w2, None if fold else b2], None, linear=linear, activated=activated)
         tokens, k = position.shape
         flat = position.reshape(-1)
         choice_weights = rows.weights.index_select(0, flat).view(tokens, k)
@@ -69,15 +74,21 @@ def _segment_linear(segments: Segments, expert: torch.Tensor):
     return linear
 
 
-def _with_bias_column(items: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
-                      dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """items [T, C] and weight [E, H, C], bias [E, H] as [T, C + n] = [items | 1 1 ..] and [E, H, C + n] =
-    [weight | bias 0 ..] in `dtype` (n: 16 bytes of it), so that x @ w.T is items @ weight.T + bias. The items
-    are cast and copied in one pass."""
-    extra = max(1, 16 // dtype.itemsize)
-    width = items.shape[-1]
-    augmented = items.new_ones(items.shape[0], width + extra, dtype=dtype)
-    augmented[:, :width] = items
-    columns = [weight.to(dtype), bias.to(dtype).unsqueeze(-1), weight.new_zeros(*weight.shape[:2], extra - 1,
-                                                                               dtype=dtype)]
-    return augmented, torch.cat(columns, dim=-1)
+def _bias_act_name(bank) -> str | None:
+    """`bias_act`'s name for the bank's activation where fc1's bias and the activation may run as one op after
+    fc1: fc1 has a bias, nothing clamps, no norm comes between fc1 and the activation, and the activation is
+    GELU (erf) or SiLU (`fused.activation`). Else None: the plain ops."""
+    if bank.fc1.bias is None or bank.clamp is not None or bank.inner_norm == "layernorm_before_act":
+        return None
+    return activation(bank.act)
+
+
+def _bias_activated(linear, segments: Segments, expert: torch.Tensor, act: str, glu: str | None):
+    """fc1 as `linear` without its bias, then `bias_act`: the bias of each row's expert and the activation (GLU:
+    and the gating) in one op."""
+    offsets = segments.ends()
+
+    def activated(x, weight, bias):
+        return bias_act(linear(x, weight, None), bias, expert, offsets, act=act, glu=glu)
+
+    return activated

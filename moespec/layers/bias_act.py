@@ -1,0 +1,164 @@
+"""fc1's bias and the activation in one pass over the rows, for the grouped step (`steps/grouped_mm.py`): fc1 runs
+as a grouped matmul without bias, and `bias_act` adds each row's expert's bias and applies the activation (GLU:
+and the gating) where the rows are read anyway. No copy of the weight bank carries the bias (the bias column of
+issue 46, point 4, concatenated the whole bank with its biases at every step).
+
+    bias_act(pre, bias, expert, offsets)   h[r] = act(pre[r] + bias[expert[r]])     plain experts
+                                           h[r] = act(a) * b   or   a * act(b)      GLU, (a, b) = halves of the sum
+  backward:
+    bias_act_backward                      dpre[r] = d h[r] / d pre[r] * dh[r]       the same sum recomputed
+    the bias gradient                      dbias[e] = sum over e's rows of dpre      (`grouped.segment_sum`)
+
+Rows are sorted by expert: `expert` [S] is each row's expert, E for a row a capacity dropped (`rows.Segments`),
+which takes no bias; `offsets` int32 [E] the segments' ends. The sum and the activation are computed in fp32 and
+h is written in pre's dtype; the bias is read in its own dtype (under autocast, the fp32 parameter itself: no
+cast). Activations: GELU with erf (timm's nn.GELU) and SiLU, as `fused.activation` names them.
+
+`moespec::bias_act` and `moespec::bias_act_backward` are torch custom ops with fake functions, the first with its
+autograd formula. On CUDA with Triton they run one kernel each (`bias_act_kernels.py`), elsewhere plain torch
+ops (the CPU, and a GPU without Triton). Under `TRITON_INTERPRET=1` the kernels run on CPU in Triton's
+interpreter, through `launch` and `launch_backward` (tests/layers/test_bias_act.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .fused import ACTIVATIONS, GLU_ORDERS
+from .grouped import segment_sum
+
+try:
+    import triton
+
+    from .bias_act_kernels import _bias_act_backward_kernel, _bias_act_kernel
+except ImportError:  # the torch ops run everywhere
+    triton = None
+
+CONFIG = {"BLOCK_M": 32, "BLOCK_N": 128, "num_warps": 4}  # elementwise tiles of 4096 elements, 32 per thread
+
+
+def bias_act(pre: torch.Tensor, bias: torch.Tensor, expert: torch.Tensor, offsets: torch.Tensor, *, act: str,
+             glu: str | None) -> torch.Tensor:
+    """h [S, H]: act(pre + bias[expert]) of rows sorted by expert (GLU: gated, pre [S, 2H]).
+
+    Args:
+        pre: [S, H'] fc1's output without bias (H' = 2H for a GLU).
+        bias: [E, H'] fc1's bias, any float dtype.
+        expert: [S] int64 expert of each row (E: a dropped row, no bias).
+        offsets: int32 [E] end of each expert's segment (for the bias gradient).
+        act: "gelu" or "silu"; glu: None, "act_first" or "act_last" (`experts.GluOrder`).
+    """
+    return _bias_act(pre, bias, expert, offsets, ACTIVATIONS.index(act), GLU_ORDERS.index(glu))
+
+
+def _sum(pre: torch.Tensor, bias: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
+    """[S, H'] fp32 pre + bias[expert], 0 bias for the rows whose expert is E."""
+    bias = F.pad(bias.float(), (0, 0, 0, 1))  # [E + 1, H']: row E for the dropped rows
+    return pre.float() + bias.index_select(0, expert)
+
+
+def _act(z: torch.Tensor, act: int) -> torch.Tensor:
+    return F.gelu(z) if act == 0 else F.silu(z)
+
+
+def _act_backward(grad: torch.Tensor, z: torch.Tensor, act: int) -> torch.Tensor:
+    if act == 0:
+        return torch.ops.aten.gelu_backward(grad, z)
+    return torch.ops.aten.silu_backward(grad, z)
+
+
+def _torch_forward(pre, bias, expert, act, glu):
+    z = _sum(pre, bias, expert)
+    if glu == 0:
+        return _act(z, act).to(pre.dtype)
+    a, b = z.chunk(2, dim=-1)
+    return (_act(a, act) * b if glu == 1 else a * _act(b, act)).to(pre.dtype)
+
+
+def _torch_backward(grad, pre, bias, expert, act, glu):
+    z, grad = _sum(pre, bias, expert), grad.float()
+    if glu == 0:
+        return _act_backward(grad, z, act).to(pre.dtype)
+    a, b = z.chunk(2, dim=-1)
+    if glu == 1:  # h = act(a) * b
+        halves = _act_backward(grad * b, a, act), grad * _act(a, act)
+    else:  # h = a * act(b)
+        halves = grad * _act(b, act), _act_backward(grad * a, b, act)
+    return torch.cat(halves, dim=-1).to(pre.dtype)
+
+
+def launch(pre: torch.Tensor, bias: torch.Tensor, expert: torch.Tensor, act: int, glu: int) -> torch.Tensor:
+    """The forward kernel on `pre`'s device (CUDA, or CPU under the interpreter)."""
+    rows, wide = pre.shape
+    hidden = wide // 2 if glu else wide
+    pre, bias, expert = pre.contiguous(), bias.contiguous(), expert.contiguous()
+    h = pre.new_empty(rows, hidden)
+    if rows and hidden:
+        grid = (triton.cdiv(rows, CONFIG["BLOCK_M"]), triton.cdiv(hidden, CONFIG["BLOCK_N"]))
+        _bias_act_kernel[grid](pre, bias, expert, h, rows, hidden, bias.shape[0], pre.stride(0), bias.stride(0),
+                               h.stride(0), ACT=act, GLU=glu, **CONFIG)
+    return h
+
+
+def launch_backward(grad: torch.Tensor, pre: torch.Tensor, bias: torch.Tensor, expert: torch.Tensor, act: int,
+                    glu: int) -> torch.Tensor:
+    """The backward kernel on `pre`'s device: d pre [S, H']."""
+    rows, hidden = grad.shape
+    grad, pre, bias, expert = grad.contiguous(), pre.contiguous(), bias.contiguous(), expert.contiguous()
+    dpre = torch.empty_like(pre)
+    if rows and hidden:
+        grid = (triton.cdiv(rows, CONFIG["BLOCK_M"]), triton.cdiv(hidden, CONFIG["BLOCK_N"]))
+        _bias_act_backward_kernel[grid](grad, pre, bias, expert, dpre, rows, hidden, bias.shape[0], grad.stride(0),
+                                        pre.stride(0), bias.stride(0), dpre.stride(0), ACT=act, GLU=glu, **CONFIG)
+    return dpre
+
+
+def _on_kernels(pre: torch.Tensor) -> bool:
+    """Whether the Triton kernels run the ops: CUDA tensors and Triton installed."""
+    return triton is not None and pre.is_cuda
+
+
+def _bias_act(pre: torch.Tensor, bias: torch.Tensor, expert: torch.Tensor, offsets: torch.Tensor, act: int,
+              glu: int) -> torch.Tensor:
+    if _on_kernels(pre):
+        return launch(pre, bias, expert, act, glu)
+    return _torch_forward(pre, bias, expert, act, glu)
+
+
+def _bias_act_backward(grad: torch.Tensor, pre: torch.Tensor, bias: torch.Tensor, expert: torch.Tensor, act: int,
+                       glu: int) -> torch.Tensor:
+    if _on_kernels(pre):
+        return launch_backward(grad, pre, bias, expert, act, glu)
+    return _torch_backward(grad, pre, bias, expert, act, glu)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    pre, bias, expert, offsets, act, glu = inputs
+    ctx.save_for_backward(pre, bias, expert, offsets)
+    ctx.act, ctx.glu = act, glu
+
+
+def _backward(ctx, grad):
+    pre, bias, expert, offsets = ctx.saved_tensors
+    need_pre, need_bias = ctx.needs_input_grad[:2]
+    dpre = _bias_act_backward_op(grad.contiguous(), pre, bias, expert, ctx.act, ctx.glu)
+    dbias = segment_sum(dpre, offsets).to(bias.dtype) if need_bias else None
+    return dpre if need_pre else None, dbias, None, None, None, None
+
+
+_bias_act_backward_op = _bias_act_backward
+if hasattr(torch.library, "custom_op"):  # torch >= 2.4: opaque to torch.compile, one op in the graph
+    _bias_act = torch.library.custom_op("moespec::bias_act", mutates_args=())(_bias_act)
+    _bias_act_backward_op = torch.library.custom_op("moespec::bias_act_backward",
+                                                    mutates_args=())(_bias_act_backward)
+
+    @_bias_act.register_fake
+    def _(pre, bias, expert, offsets, act, glu):
+        return pre.new_empty(pre.shape[0], pre.shape[1] // 2 if glu else pre.shape[1])
+
+    @_bias_act_backward_op.register_fake
+    def _(grad, pre, bias, expert, act, glu):
+        return torch.empty_like(pre)
+
+    _bias_act.register_autograd(_backward, setup_context=_setup_context)
