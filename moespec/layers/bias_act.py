@@ -10,9 +10,9 @@ issue 46, point 4, concatenated the whole bank with its biases at every step).
     the bias gradient                      dbias[e] = sum over e's rows of dpre      (`grouped.segment_sum`)
 
 Rows are sorted by expert: `expert` [S] is each row's expert, E for a row a capacity dropped (`rows.Segments`),
-which takes no bias; `offsets` int32 [E] the segments' ends. The sum and the activation are computed in fp32 and
-h is written in pre's dtype; the bias is read in its own dtype (under autocast, the fp32 parameter itself: no
-cast). Activations: GELU with erf (timm's nn.GELU) and SiLU, as `fused.activation` names them.
+which takes no bias; `offsets` int32 [E] the segments' ends. The sum and the activation are computed in fp32
+(fp64 for fp64 inputs) and h is written in pre's dtype; the bias is read in its own dtype (under autocast, the
+fp32 parameter itself: no cast). Activations: GELU with erf (timm's nn.GELU) and SiLU, as `fused.activation` names them.
 
 `moespec::bias_act` and `moespec::bias_act_backward` are torch custom ops with fake functions, the first with its
 autograd formula. On CUDA with Triton they run one kernel each (`bias_act_kernels.py`), elsewhere plain torch
@@ -54,8 +54,14 @@ def bias_act(pre: torch.Tensor, bias: torch.Tensor, expert: torch.Tensor, offset
 
 def _sum(pre: torch.Tensor, bias: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
     """[S, H'] fp32 pre + bias[expert], 0 bias for the rows whose expert is E."""
-    bias = F.pad(bias.float(), (0, 0, 0, 1))  # [E + 1, H']: row E for the dropped rows
-    return pre.float() + bias.index_select(0, expert)
+    dtype = _compute_dtype(pre, bias)
+    bias = F.pad(bias.to(dtype), (0, 0, 0, 1))  # [E + 1, H']: row E for the dropped rows
+    return pre.to(dtype) + bias.index_select(0, expert)
+
+
+def _compute_dtype(pre: torch.Tensor, bias: torch.Tensor) -> torch.dtype:
+    """fp32, or fp64 where either input is: never fewer bits than the inputs."""
+    return torch.promote_types(torch.float32, torch.promote_types(pre.dtype, bias.dtype))
 
 
 def _act(z: torch.Tensor, act: int) -> torch.Tensor:
@@ -77,7 +83,8 @@ def _torch_forward(pre, bias, expert, act, glu):
 
 
 def _torch_backward(grad, pre, bias, expert, act, glu):
-    z, grad = _sum(pre, bias, expert), grad.float()
+    z = _sum(pre, bias, expert)
+    grad = grad.to(z.dtype)
     if glu == 0:
         return _act_backward(grad, z, act).to(pre.dtype)
     a, b = z.chunk(2, dim=-1)
@@ -114,21 +121,22 @@ def launch_backward(grad: torch.Tensor, pre: torch.Tensor, bias: torch.Tensor, e
     return dpre
 
 
-def _on_kernels(pre: torch.Tensor) -> bool:
-    """Whether the Triton kernels run the ops: CUDA tensors and Triton installed."""
-    return triton is not None and pre.is_cuda
+def _on_kernels(pre: torch.Tensor, bias: torch.Tensor) -> bool:
+    """Whether the Triton kernels run the ops: CUDA tensors of at most 32 bits (the kernels compute in fp32) and
+    Triton installed."""
+    return triton is not None and pre.is_cuda and torch.float64 not in (pre.dtype, bias.dtype)
 
 
 def _bias_act(pre: torch.Tensor, bias: torch.Tensor, expert: torch.Tensor, offsets: torch.Tensor, act: int,
               glu: int) -> torch.Tensor:
-    if _on_kernels(pre):
+    if _on_kernels(pre, bias):
         return launch(pre, bias, expert, act, glu)
     return _torch_forward(pre, bias, expert, act, glu)
 
 
 def _bias_act_backward(grad: torch.Tensor, pre: torch.Tensor, bias: torch.Tensor, expert: torch.Tensor, act: int,
                        glu: int) -> torch.Tensor:
-    if _on_kernels(pre):
+    if _on_kernels(pre, bias):
         return launch_backward(grad, pre, bias, expert, act, glu)
     return _torch_backward(grad, pre, bias, expert, act, glu)
 
