@@ -162,6 +162,7 @@ def test_the_op_passes_opcheck(act, glu):
     torch.library.opcheck(torch.ops.moespec.bias_act.default, args)
 
 
+@pytest.mark.slow  # 9 s: every kernel case in Triton's interpreter, in a subprocess (CI runs it)
 @pytest.mark.skipif(INTERPRETED or not HAS_TRITON, reason="needs triton; the parent of the interpreted run")
 def test_the_kernels_in_the_interpreter():
     env = {**os.environ, "TRITON_INTERPRET": "1"}

@@ -89,6 +89,7 @@ def _assert_same(got, want, rtol=1e-4, atol=1e-5):
         torch.testing.assert_close(g, g_want, rtol=rtol, atol=atol)
 
 
+@pytest.mark.slow  # 22 s: every kernel case in Triton's interpreter, in a subprocess (CI runs it)
 @pytest.mark.skipif(INTERPRETED or not HAS_TRITON, reason="needs triton; the parent of the interpreted run")
 def test_the_kernels_in_the_interpreter():
     env = {**os.environ, "TRITON_INTERPRET": "1"}
