@@ -19,7 +19,7 @@ from torch.autograd.function import once_differentiable
 
 from .gradient_memory import empty_gradient
 from .grouped import segment_mm, segment_outer, segment_slices, segment_sum
-from .side_by_side import each
+from .side_by_side import each_segment
 from .tracing import traced
 
 
@@ -70,9 +70,8 @@ class ExpertLinear(torch.autograd.Function):
         if ctx.has_bias and need_bias:
             if eager_cpu:  # one sum per segment: no scatter-add, whose cost explodes on a busy CPU
                 grad_bias = grad.new_empty(weight.shape[:2])
-                segments = list(segment_slices(offsets))
-                each(lambda segment: torch.sum(grad[segment[1]], 0, out=grad_bias[segment[0]]),  # no rows: zeros
-                     segments, [(rows.stop - rows.start) * grad.shape[1] for _, rows in segments], device=grad.device)
+                each_segment(lambda e, rows: torch.sum(grad[rows], 0, out=grad_bias[e]),  # no rows: zeros
+                             segment_slices(offsets), grad.shape[1], device=grad.device)
             else:  # deterministic, and no atomics piling onto E rows as in index_add_ on a GPU
                 grad_bias = segment_sum(grad, offsets)
         return grad_x, grad_weight, grad_bias, None, None, None
@@ -84,9 +83,8 @@ def _weight_gradient_cpu(grad: torch.Tensor, x: torch.Tensor, offsets: torch.Ten
     per expert into the gradient's kept memory (`empty_gradient`; grouped_mm has no out=, and its fresh tensor
     is page-faulted in at every step: docs/dispatch.md)."""
     out = empty_gradient(weight)
-    segments = list(segment_slices(offsets))
-    each(lambda segment: torch.mm(grad[segment[1]].t(), x[segment[1]], out=out[segment[0]]),  # no rows: zeros
-         segments, [(rows.stop - rows.start) * grad.shape[1] for _, rows in segments], device=grad.device)
+    each_segment(lambda e, rows: torch.mm(grad[rows].t(), x[rows], out=out[e]),  # no rows: zeros
+                 segment_slices(offsets), grad.shape[1], device=grad.device)
     return out
 
 
@@ -173,11 +171,9 @@ class SegmentGraphs(torch.autograd.Function):
     def forward(ctx, x, bank, segments, groups, *params):
         needs = ctx.needs_input_grad
         out = x.new_empty(x.shape[0], bank.out_features)
-        tasks = list(expert_segments(segments))
-        ctx.graphs, ctx.params = [None] * len(tasks), params
+        ctx.rows, ctx.graphs, ctx.params = list(expert_segments(segments)), {}, params
 
-        def segment(i):  # on one thread, side by side with the other segments (`side_by_side`)
-            e, rows = tasks[i]
+        def segment(e, rows):  # on one thread, side by side with the other segments (`side_by_side`)
             leaves = [x[rows].detach().requires_grad_(needs[0])]
             leaves += [p[e].detach().requires_grad_(need) if p is not None else None
                        for p, need in zip(params, needs[4:], strict=True)]
@@ -185,10 +181,9 @@ class SegmentGraphs(torch.autograd.Function):
                 y = bank._expert(leaves[0], leaves[1:], groups[rows] if groups is not None else None)
             out[rows] = y.detach()
             y.untyped_storage().resize_(0)  # backward needs y's graph, not its values (fc2 and dropout keep none)
-            ctx.graphs[i] = (e, rows, leaves, y)
+            ctx.graphs[e] = leaves, y
 
-        each(segment, range(len(tasks)), [(rows.stop - rows.start) * bank.hidden for _, rows in tasks],
-             device=x.device)
+        each_segment(segment, ctx.rows, bank.hidden, device=x.device)
         ctx.x_shape, ctx.segments, ctx.hidden = x.shape, segments, bank.hidden
         return out
 
@@ -201,8 +196,8 @@ class SegmentGraphs(torch.autograd.Function):
                   for p, need in zip(ctx.params, needs[4:], strict=True)]
         keep = _keeps_graph()
 
-        def segment(graph):  # on one thread, side by side with the other segments (`side_by_side`)
-            e, rows, leaves, y = graph
+        def segment(e, rows):  # on one thread, side by side with the other segments (`side_by_side`)
+            leaves, y = ctx.graphs[e]
             wanted = [i for i, leaf in enumerate(leaves) if leaf is not None and leaf.requires_grad]
             got = torch.autograd.grad(y, [leaves[i] for i in wanted], grad[rows], retain_graph=keep,
                                       allow_unused=True)
@@ -213,8 +208,7 @@ class SegmentGraphs(torch.autograd.Function):
                 else:
                     target.copy_(g)
 
-        each(segment, ctx.graphs, [(rows.stop - rows.start) * ctx.hidden for _, rows, _, _ in ctx.graphs],
-             device=grad.device)
+        each_segment(segment, ctx.rows, ctx.hidden, device=grad.device)
         empty = [e for e, count in enumerate(ctx.segments) if not count]  # zero (filling all would cost a pass)
         for g in grads[1:]:
             if g is not None and empty:

@@ -24,7 +24,7 @@ import contextlib
 import os
 import queue
 import threading
-from typing import Callable, Sequence, TypeVar
+from typing import Callable, Iterable, Sequence, TypeVar
 
 import torch
 
@@ -49,6 +49,14 @@ def each(fn: Callable[[T], None], tasks: Sequence[T], work: Sequence[int], *, de
         return
     order = sorted(range(len(tasks)), key=work.__getitem__, reverse=True)
     _pool(threads).run(fn, [tasks[i] for i in order])
+
+
+def each_segment(fn: Callable[[int, slice], None], segments: Iterable[tuple[int, slice]], width: int, *,
+                 device: torch.device) -> None:
+    """`each` over expert segments: fn(e, rows) for every (expert, row slice), `width` elements of work per row."""
+    segments = list(segments)
+    each(lambda segment: fn(*segment), segments, [(rows.stop - rows.start) * width for _, rows in segments],
+         device=device)
 
 
 def _plain_state() -> bool:

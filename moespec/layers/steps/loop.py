@@ -9,7 +9,7 @@ import torch
 
 from ..expert_autograd import SegmentGraphs, expert_segments
 from ..rows import RoutedRows, Segments
-from ..side_by_side import each
+from ..side_by_side import each_segment
 from .base import ExpertStep, scaled, scatter_weighted, weighted_sum
 
 
@@ -27,13 +27,11 @@ class LoopStep(ExpertStep):
         params = [bank._unbind(p) for p in bank._param_list()]
         out = x.new_empty(x.shape[0], bank.out_features)
 
-        def expert(task):  # on one thread, side by side with the other segments (`side_by_side`)
-            e, rows = task
+        def expert(e, rows):  # on one thread, side by side with the other segments (`side_by_side`)
             one = [p[e] if p is not None else None for p in params]
             out[rows] = bank._expert(x[rows], one, groups[rows] if groups is not None else None)
 
-        segments = list(expert_segments(counts))
-        each(expert, segments, [(rows.stop - rows.start) * bank.hidden for _, rows in segments], device=x.device)
+        each_segment(expert, expert_segments(counts), bank.hidden, device=x.device)
         return out
 
     def combine(self, bank, items: torch.Tensor, rows: RoutedRows, groups: torch.Tensor | None) -> torch.Tensor | None:
@@ -50,8 +48,7 @@ class LoopStep(ExpertStep):
         if rows.position is not None and segments:
             out, lock = [None], threading.Lock()
 
-            def expert(task):  # the segment's rows gathered, run and written, on one thread (`side_by_side`)
-                e, segment = task
+            def expert(e, segment):  # the segment's rows gathered, run and written, on one thread (`side_by_side`)
                 index = rows.item[segment]
                 y = bank._expert(items.index_select(0, index), [p[e] if p is not None else None for p in params],
                                  groups.index_select(0, index) if groups is not None else None)
@@ -60,8 +57,7 @@ class LoopStep(ExpertStep):
                         out[0] = y.new_empty(rows.item.shape[0], y.shape[-1])
                 out[0][segment] = y
 
-            each(expert, segments, [(segment.stop - segment.start) * bank.hidden for _, segment in segments],
-                 device=items.device)
+            each_segment(expert, segments, bank.hidden, device=items.device)
             out[0][segments[-1][1].stop:] = 0  # the dropped rows
             return weighted_sum(out[0], rows)
         y = None
