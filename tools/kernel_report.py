@@ -1,10 +1,10 @@
-"""Registers, spills and shared memory of the fused step's Triton kernels and of the grouped step's `bias_act`
-kernels (`layers/bias_act.py`), compiled for a Hopper GPU (sm_90) on
-any machine, no GPU needed:
+"""Registers, spills and shared memory of the fused step's Triton kernels, of the grouped step's `bias_act`
+kernels (`layers/bias_act.py`) and of the routing and combine kernels (`layers/route_kernels.py`), compiled for a
+Hopper GPU (sm_90) on any machine, no GPU needed:
 
     python tools/kernel_report.py            # the launches of a ViT-B layer (d = 768, expert width 3072), bf16
 
-Each kernel is compiled as a real launch specializes it: its config from `fused.CONFIGS` (or `bias_act.CONFIG`),
+Each kernel is compiled as a real launch specializes it: its config from `fused.CONFIGS` (or its module's),
 its flags, and the divisibility hints Triton adds at a launch (every pointer 16-byte aligned, every integer
 argument that is a multiple of 16 marked so, an integer equal to 1 made a constant). ptxas' own report (`-v`)
 gives the registers, the spill stores and loads, and the stack frame. tests/layers/test_fused_step.py asserts
@@ -24,12 +24,24 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from moespec.layers import bias_act, fused  # noqa: E402
+from moespec.layers import bias_act, fused, route_kernels  # noqa: E402
 
 INDEX_POINTERS = {"order_ptr", "a_order_ptr", "b_order_ptr", "expert_ptr"}  # int64
 FP32_POINTERS = {"gate_ptr", "dgate_ptr", "dy_ptr"}  # gates and the output gradient under fp32 gates
 FP32_POINTERS_OF = {"_bias_act_kernel": {"bias_ptr"},  # bias_act reads fc1's fp32 bias under autocast
                     "_bias_act_backward_kernel": {"bias_ptr"}}
+POINTERS_OF = {  # the route kernels' pointers that are not of the element type: fp32, int64 and int32 tensors
+    "_softmax_topk_kernel": {"probs_ptr": "*fp32", "weights_ptr": "*fp32", "experts_ptr": "*i64"},
+    "_softmax_topk_backward_kernel": {"grad_probs_ptr": "*fp32", "grad_weights_ptr": "*fp32", "probs_ptr": "*fp32",
+                                      "experts_ptr": "*i64"},
+    "_route_histogram_kernel": {"experts_ptr": "*i64", "histogram_ptr": "*i32"},
+    "_route_place_kernel": {"experts_ptr": "*i64", "weights_ptr": "*fp32", "histogram_ptr": "*i32",
+                            "item_ptr": "*i64", "row_expert_ptr": "*i64", "pair_weights_ptr": "*fp32",
+                            "position_ptr": "*i64", "counts_ptr": "*i64", "ends_ptr": "*i32"},
+    "_combine_kernel": {"gates_ptr": "*fp32", "position_ptr": "*i64", "experts_ptr": "*i64", "bias_ptr": "*fp32"},
+    "_combine_backward_kernel": {"gates_ptr": "*fp32", "position_ptr": "*i64", "experts_ptr": "*i64",
+                                 "bias_ptr": "*fp32", "grad_gates_ptr": "*fp32"},
+}
 ABSENT = {"GATHER": ["order_ptr"], "SCATTER": ["order_ptr"], "HAS_BIAS": ["b_ptr"], "HAS_GATE": ["gate_ptr"],
           "A_GATHER": ["a_order_ptr"], "B_GATHER": ["b_order_ptr"], "SCALE_A": ["gate_ptr"], "BIAS_GRAD": ["bias_ptr"]}
 
@@ -81,6 +93,7 @@ def launches(dim: int = 768, hidden: int = 3072, experts: int = 8, top_k: int = 
          {"a_div": top_k, "b_div": 1, "m_size": dim, "n_size": hidden, "stride_a": dim, "stride_b": hidden,
           "stride_oe": dim * hidden, "stride_om": hidden, "stride_bias": dim}),
         *bias_act_launches(hidden, experts, rows),
+        *route_launches(dim, experts, top_k, tokens),
     ]
 
 
@@ -95,6 +108,38 @@ def bias_act_launches(hidden: int, experts: int, rows: int) -> list:
                   (f"bias_act backward {label}", bias_act._bias_act_backward_kernel, bias_act.CONFIG,
                    {"ACT": act, "GLU": glu}, {**common, "stride_grad": hidden, "stride_dpre": wide})]
     return found
+
+
+def route_launches(dim: int, experts: int, top_k: int, tokens: int) -> list:
+    """The routing and combine kernels (`layers/route_kernels.py`) as `launch_*` configures them: the softmax and
+    top k of the router's logits and its backward, the two kernels of the pairs' sort, and the combine of bf16
+    expert outputs with fp32 gates and bias, forward and backward."""
+    rows, softmax = tokens * top_k, route_kernels.softmax_topk_config(experts)
+    route = {name: value for name, value in route_kernels.ROUTE_CONFIG.items() if name != "BLOCK_B"}
+    sizes = {"rows": tokens, "num_experts": experts, "top_k": top_k}
+    combine = {"items": tokens, "columns": dim, "top_k": top_k, "stride_out": dim, "stride_bias": dim}
+    return [
+        ("softmax top-k", route_kernels._softmax_topk_kernel, softmax, {}, sizes),
+        ("softmax top-k backward", route_kernels._softmax_topk_backward_kernel, softmax,
+         {"HAS_GRAD_PROBS": True, "HAS_GRAD_WEIGHTS": True}, sizes),
+        ("softmax top-k backward, weights", route_kernels._softmax_topk_backward_kernel, softmax,
+         {"HAS_GRAD_PROBS": False, "HAS_GRAD_WEIGHTS": True}, sizes),
+        ("route histogram", route_kernels._route_histogram_kernel, route, {},
+         {"choices": rows, "num_experts": experts}),
+        ("route place", route_kernels._route_place_kernel, route,
+         {"BLOCK_B": route_kernels.ROUTE_CONFIG["BLOCK_B"]},
+         {"choices": rows, "num_experts": experts, "blocks": -(-rows // route["BLOCK_P"]), "top_k": top_k}),
+        ("combine", route_kernels._combine_kernel, route_kernels.COMBINE_CONFIG,
+         {"HAS_GATES": True, "HAS_BIAS": True}, {**combine, "stride_y": dim}),
+        ("combine, flags off", route_kernels._combine_kernel, route_kernels.COMBINE_CONFIG,
+         {"HAS_GATES": False, "HAS_BIAS": False}, {**combine, "stride_y": dim}),
+        ("combine backward", route_kernels._combine_backward_kernel, route_kernels.combine_backward_config(top_k),
+         {"HAS_BIAS": True, "NEED_OUT": True, "NEED_GATES": True},
+         {**combine, "stride_grad": dim, "stride_grad_out": dim}),
+        ("combine backward, gates only", route_kernels._combine_backward_kernel,
+         route_kernels.combine_backward_config(top_k), {"HAS_BIAS": False, "NEED_OUT": False, "NEED_GATES": True},
+         {**combine, "stride_grad": dim, "stride_grad_out": dim}),
+    ]
 
 
 def _config(config_name: str | dict, dtype: torch.dtype) -> dict:
@@ -124,8 +169,9 @@ def compile_for_hopper(kernel, config_name: str, flags: dict, integers: dict, dt
             signature[name] = "i32"
         elif name.endswith("_ptr"):
             fp32 = name in FP32_POINTERS or name in FP32_POINTERS_OF.get(kernel.fn.__name__, ())
-            signature[name] = ("*i32" if name == "offsets_ptr" else "*i64" if name in INDEX_POINTERS
-                               else "*fp32" if fp32 else f"*{element}")
+            signature[name] = POINTERS_OF.get(kernel.fn.__name__, {}).get(name) or (
+                "*i32" if name == "offsets_ptr" else "*i64" if name in INDEX_POINTERS
+                else "*fp32" if fp32 else f"*{element}")
             attrs[(index,)] = [["tt.divisibility", 16]]
         else:
             value = integers.get(name, 16 * 1000)  # row_blocks and the like: a multiple of 16 or not, as it falls
@@ -167,8 +213,8 @@ def main() -> None:
     for label, kernel, config_name, flags, integers in launches():
         report = ptxas_report(compile_for_hopper(kernel, config_name, flags, integers))
         config = _config(config_name, torch.bfloat16)
-        shape = (f"{config['BLOCK_M']}x{config['BLOCK_N']}x{config.get('BLOCK_K', '-')} w{config['num_warps']} "
-                 f"s{config.get('num_stages', '-')} g{config.get('GROUP_M', 1)}")
+        blocks = "x".join(str(value) for name, value in config.items() if name.startswith("BLOCK_"))
+        shape = f"{blocks} w{config['num_warps']} s{config.get('num_stages', '-')} g{config.get('GROUP_M', 1)}"
         print(f"{label:32s} {shape:44s} {report['registers']:5d} "
               f"{report['spill_stores']:6d}/{report['spill_loads']:<7d} {report['stack']:8d} "
               f"{report['shared'] / 1024:8.1f}")
