@@ -22,6 +22,8 @@ interpreter, through `launch` and `launch_backward` (tests/layers/test_bias_act.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 
@@ -38,13 +40,13 @@ except ImportError:  # the torch ops run everywhere
 CONFIG = {"BLOCK_M": 32, "BLOCK_N": 128, "num_warps": 4}  # elementwise tiles of 4096 elements, 32 per thread
 
 
-def bias_act(pre: torch.Tensor, bias: torch.Tensor, expert: torch.Tensor, offsets: torch.Tensor, *, act: str,
+def bias_act(pre: torch.Tensor, bias: torch.Tensor | None, expert: torch.Tensor, offsets: torch.Tensor, *, act: str,
              glu: str | None) -> torch.Tensor:
     """h [S, H]: act(pre + bias[expert]) of rows sorted by expert (GLU: gated, pre [S, 2H]).
 
     Args:
         pre: [S, H'] fc1's output without bias (H' = 2H for a GLU).
-        bias: [E, H'] fc1's bias, any float dtype.
+        bias: [E, H'] fc1's bias, any float dtype; None: none (the activation alone, GLU: and the gating).
         expert: [S] int64 expert of each row (E: a dropped row, no bias).
         offsets: int32 [E] end of each expert's segment (for the bias gradient).
         act: "gelu" or "silu"; glu: None, "act_first" or "act_last" (`experts.GluOrder`).
@@ -52,16 +54,18 @@ def bias_act(pre: torch.Tensor, bias: torch.Tensor, expert: torch.Tensor, offset
     return _bias_act(pre, bias, expert, offsets, ACTIVATIONS.index(act), GLU_ORDERS.index(glu))
 
 
-def _sum(pre: torch.Tensor, bias: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
-    """[S, H'] fp32 pre + bias[expert], 0 bias for the rows whose expert is E."""
+def _sum(pre: torch.Tensor, bias: torch.Tensor | None, expert: torch.Tensor) -> torch.Tensor:
+    """[S, H'] fp32 pre + bias[expert], 0 bias for the rows whose expert is E (and without a bias)."""
     dtype = _compute_dtype(pre, bias)
+    if bias is None:
+        return pre.to(dtype)
     bias = F.pad(bias.to(dtype), (0, 0, 0, 1))  # [E + 1, H']: row E for the dropped rows
     return pre.to(dtype) + bias.index_select(0, expert)
 
 
-def _compute_dtype(pre: torch.Tensor, bias: torch.Tensor) -> torch.dtype:
+def _compute_dtype(pre: torch.Tensor, bias: torch.Tensor | None) -> torch.dtype:
     """fp32, or fp64 where either input is: never fewer bits than the inputs."""
-    return torch.promote_types(torch.float32, torch.promote_types(pre.dtype, bias.dtype))
+    return torch.promote_types(torch.float32, pre.dtype if bias is None else torch.promote_types(pre.dtype, bias.dtype))
 
 
 def _act(z: torch.Tensor, act: int) -> torch.Tensor:
@@ -95,47 +99,53 @@ def _torch_backward(grad, pre, bias, expert, act, glu):
     return torch.cat(halves, dim=-1).to(pre.dtype)
 
 
-def launch(pre: torch.Tensor, bias: torch.Tensor, expert: torch.Tensor, act: int, glu: int) -> torch.Tensor:
+def _bias_arg(pre: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, int]:
+    """(the bias the kernels read, its experts): without a bias, one zero and no experts, so that every row
+    reads none (the kernels read no bias for a row whose expert is not below the experts)."""
+    return (pre.new_zeros(1, 1), 0) if bias is None else (bias.contiguous(), bias.shape[0])
+
+
+def launch(pre: torch.Tensor, bias: torch.Tensor | None, expert: torch.Tensor, act: int, glu: int) -> torch.Tensor:
     """The forward kernel on `pre`'s device (CUDA, or CPU under the interpreter)."""
     rows, wide = pre.shape
     hidden = wide // 2 if glu else wide
-    pre, bias, expert = pre.contiguous(), bias.contiguous(), expert.contiguous()
+    (bias, experts), pre, expert = _bias_arg(pre, bias), pre.contiguous(), expert.contiguous()
     h = pre.new_empty(rows, hidden)
     if rows and hidden:
         grid = (triton.cdiv(rows, CONFIG["BLOCK_M"]), triton.cdiv(hidden, CONFIG["BLOCK_N"]))
-        _bias_act_kernel[grid](pre, bias, expert, h, rows, hidden, bias.shape[0], pre.stride(0), bias.stride(0),
+        _bias_act_kernel[grid](pre, bias, expert, h, rows, hidden, experts, pre.stride(0), bias.stride(0),
                                h.stride(0), ACT=act, GLU=glu, **CONFIG)
     return h
 
 
-def launch_backward(grad: torch.Tensor, pre: torch.Tensor, bias: torch.Tensor, expert: torch.Tensor, act: int,
+def launch_backward(grad: torch.Tensor, pre: torch.Tensor, bias: torch.Tensor | None, expert: torch.Tensor, act: int,
                     glu: int) -> torch.Tensor:
     """The backward kernel on `pre`'s device: d pre [S, H']."""
     rows, hidden = grad.shape
-    grad, pre, bias, expert = grad.contiguous(), pre.contiguous(), bias.contiguous(), expert.contiguous()
+    (bias, experts), grad, pre, expert = _bias_arg(pre, bias), grad.contiguous(), pre.contiguous(), expert.contiguous()
     dpre = torch.empty_like(pre)
     if rows and hidden:
         grid = (triton.cdiv(rows, CONFIG["BLOCK_M"]), triton.cdiv(hidden, CONFIG["BLOCK_N"]))
-        _bias_act_backward_kernel[grid](grad, pre, bias, expert, dpre, rows, hidden, bias.shape[0], grad.stride(0),
+        _bias_act_backward_kernel[grid](grad, pre, bias, expert, dpre, rows, hidden, experts, grad.stride(0),
                                         pre.stride(0), bias.stride(0), dpre.stride(0), ACT=act, GLU=glu, **CONFIG)
     return dpre
 
 
-def _on_kernels(pre: torch.Tensor, bias: torch.Tensor) -> bool:
+def _on_kernels(pre: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """Whether the Triton kernels run the ops: CUDA tensors of at most 32 bits (the kernels compute in fp32) and
     Triton installed."""
-    return triton is not None and pre.is_cuda and torch.float64 not in (pre.dtype, bias.dtype)
+    return triton is not None and pre.is_cuda and torch.float64 not in (pre.dtype, getattr(bias, "dtype", None))
 
 
-def _bias_act(pre: torch.Tensor, bias: torch.Tensor, expert: torch.Tensor, offsets: torch.Tensor, act: int,
+def _bias_act(pre: torch.Tensor, bias: Optional[torch.Tensor], expert: torch.Tensor, offsets: torch.Tensor, act: int,
               glu: int) -> torch.Tensor:
     if _on_kernels(pre, bias):
         return launch(pre, bias, expert, act, glu)
     return _torch_forward(pre, bias, expert, act, glu)
 
 
-def _bias_act_backward(grad: torch.Tensor, pre: torch.Tensor, bias: torch.Tensor, expert: torch.Tensor, act: int,
-                       glu: int) -> torch.Tensor:
+def _bias_act_backward(grad: torch.Tensor, pre: torch.Tensor, bias: Optional[torch.Tensor], expert: torch.Tensor,
+                       act: int, glu: int) -> torch.Tensor:
     if _on_kernels(pre, bias):
         return launch_backward(grad, pre, bias, expert, act, glu)
     return _torch_backward(grad, pre, bias, expert, act, glu)
@@ -151,7 +161,7 @@ def _backward(ctx, grad):
     pre, bias, expert, offsets = ctx.saved_tensors
     need_pre, need_bias = ctx.needs_input_grad[:2]
     dpre = _bias_act_backward_op(grad.contiguous(), pre, bias, expert, ctx.act, ctx.glu)
-    dbias = segment_sum(dpre, offsets).to(bias.dtype) if need_bias else None
+    dbias = segment_sum(dpre, offsets).to(bias.dtype) if bias is not None and need_bias else None
     return dpre if need_pre else None, dbias, None, None, None, None
 
 

@@ -17,10 +17,11 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
+from .dispatch import sync_free
 from .gradient_memory import empty_gradient
 from .grouped import segment_mm, segment_outer, segment_slices, segment_sum
+from .route_ops import combine
 from .side_by_side import each_segment
-from .tracing import traced
 
 
 class ExpertLinear(torch.autograd.Function):
@@ -63,7 +64,7 @@ class ExpertLinear(torch.autograd.Function):
             return grad_x, grad_weight, grad_bias, None, None, None
         if need_x:
             grad_x = segment_mm(grad, weight, offsets, transpose=False, dropped=ctx.dropped)
-        eager_cpu = grad.device.type == "cpu" and not traced()
+        eager_cpu = not sync_free(grad.device)  # on CPU eagerly (`device_path()` runs the GPU's ops)
         if need_weight:
             grad_weight = _weight_gradient_cpu(grad, x, offsets, weight) if eager_cpu else segment_outer(grad, x,
                                                                                                           offsets)
@@ -103,8 +104,7 @@ class GatherPairs(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad):
         (position,) = ctx.saved_tensors
-        rows = grad.index_select(0, position.reshape(-1)).view(*position.shape, grad.shape[-1])
-        return rows.sum(1) if position.shape[1] > 1 else rows.squeeze(1), None, None
+        return combine(grad, None, position, dtype=grad.dtype), None, None  # one pass: each item's k rows summed
 
 
 class CombinePairs(torch.autograd.Function):

@@ -34,8 +34,8 @@ def has_grouped_mm() -> bool:
 
 
 def _grouped(like: torch.Tensor, *widths: int) -> bool:
-    """Whether F.grouped_mm takes operands of `like`'s dtype with these feature widths: its dtypes, and every
-    row stride a multiple of 16 bytes."""
+    """Whether F.grouped_mm takes operands of `like`'s dtype with these row strides (`widths`, in elements): its
+    dtypes, and every row stride a multiple of 16 bytes."""
     if not has_grouped_mm() or like.dtype not in GROUPED_DTYPES:
         return False
     return all(width * like.element_size() % 16 == 0 for width in widths)
@@ -68,7 +68,7 @@ def _segment_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, tr
 
 
 def _segment_outer(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    if _grouped(a, a.shape[1], b.shape[1]):
+    if _grouped(a, a.stride(0), b.stride(0)):
         return F.grouped_mm(a.t(), b, offs=offsets)
     out = a.new_empty(offsets.shape[0], a.shape[1], b.shape[1])
     for e, rows in segment_slices(offsets):
@@ -103,7 +103,7 @@ def segment_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, *, 
 def segment_outer(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """[E, M, N]: sum over the rows r of expert e of a[r]^T b[r] (a [S, M], b [S, N]); 0 for an expert without
     rows; rows past offsets[-1] take no part."""
-    if _inductor_sees(a, a.shape[1], b.shape[1]):
+    if _inductor_sees(a, a.stride(0), b.stride(0)):
         return F.grouped_mm(a.t(), b, offs=offsets)
     return _segment_outer(a, b, offsets)
 
@@ -117,7 +117,11 @@ def _inductor_sees(like: torch.Tensor, *widths: int) -> bool:
 
 
 def segment_sum(rows: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """[E, N]: the sum of each expert's rows of `rows` [S, N], as a grouped matmul with a column of ones (padded
-    to 16 bytes, what the grouped kernels need)."""
+    """[E, N]: the sum of each expert's rows of `rows` [S, N], as a grouped matmul of a row of ones by the rows:
+    [E, 1, N], so that the sums come out contiguous, in the layout of a bias (its gradient is not copied again).
+    The ones' row stride is 16 bytes, what the grouped kernels need. While torch.compile traces, the rows by a
+    block of ones (inductor lays out a slice of ones afresh, and the 16 bytes are lost); inductor fuses the copy."""
     ones = rows.new_ones(rows.shape[0], max(1, 16 // rows.element_size()))
-    return segment_outer(rows, ones, offsets)[..., 0]
+    if traced():
+        return segment_outer(rows, ones, offsets)[..., 0]
+    return segment_outer(ones[:, :1], rows, offsets)[:, 0]

@@ -22,6 +22,7 @@ from torch import nn
 from .dispatch import sync_free
 from .gates import BalancingBias, LinearGate, ProjectedGate  # noqa: F401 (LinearGate, ProjectedGate: re-exported)
 from .interfaces import Router
+from .route_ops import fused_routing, softmax_topk
 from .routing import (
     Groups,
     Routing,
@@ -42,8 +43,16 @@ def choose_experts(noisy: torch.Tensor, top_k: int, *, score: str = "softmax", n
     sigmoid renormalized over the k chosen, DeepSeek-V3), the choice (on the scores plus `balance`'s bias where
     given, within the `expert_groups` (G, g) where given), the chosen scores as weights (renormalized with
     `normalize`, times `scale`). Returns (probs [U, E] for the aux losses, weights [U, k], experts [U, k]);
-    sigmoid scores are normalized over the experts for the aux losses, as DeepSeek-V3's sequence-wise loss does."""
+    sigmoid scores are normalized over the experts for the aux losses, as DeepSeek-V3's sequence-wise loss does.
+    The scores are computed in fp32 (fp64 for fp64 logits); a plain softmax top-k runs as one op
+    (`route_ops.softmax_topk`)."""
     sigmoid = score == "sigmoid"
+    if not sigmoid and balance is None and expert_groups is None and fused_routing():
+        probs, weights, experts = softmax_topk(noisy, top_k)  # one op: one kernel on a GPU
+        if normalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return probs, weights * scale if scale != 1.0 else weights, experts
+    noisy = at_least_fp32(noisy)
     scores = noisy.sigmoid() if sigmoid else noisy.softmax(dim=-1)
     if balance is not None or expert_groups is not None:
         choice = scores + balance.expert_bias if balance is not None else scores
@@ -185,16 +194,13 @@ class TopKRouter(ChoiceRouter):
         return images, self.num_experts * self.capacity(items * images)
 
     def route(self, x: torch.Tensor, images: int = 1) -> Routing:
-        logits = at_least_fp32(self.gate(x))
+        logits = self.gate(x)  # in the gate's dtype: the scores are computed in fp32 (`choose_experts`)
         noisy = logits
         if self.training and self.noise_std > 0:
+            logits = at_least_fp32(logits)
             noisy = logits + torch.randn_like(logits) * self.noise_std
         top_k = self.active_top_k()
         probs, weights, experts = self.choose(noisy)  # eval ignores the bias
-        if self.biased() or self.expert_groups is not None:
-            load = load_counts(experts, self.num_experts)  # the noise model's smooth load knows no bias or groups
-        else:
-            load = smooth_load(logits, noisy, top_k, self.noise_std if self.training else 0.0, experts)
         groups = Groups.of(x.shape[0], images, self.group, self.training)
         dispatched = None
         if self.drop_fraction > 0:  # the lowest top-1 gates of each group
@@ -203,9 +209,18 @@ class TopKRouter(ChoiceRouter):
             dispatched = rank >= dropped[groups.of_item(x.device)]
         capacity = None if self.active_capacity_factor() is None else [self.capacity(n) for n in groups.sizes()]
         pairs = group_pairs(experts, weights, self.num_experts, priority=weights[:, 0] if self.bpr else None,
-                            capacity=capacity, groups=groups, dispatched=dispatched)
-        return Routing(probs, logits, pairs.item, pairs.counts, pairs.weights.to(x.dtype), experts[:, 0], weights[:, 0],
-                       load, pairs.kept, pairs.expert, dropped=pairs.dropped, position=pairs.position)
+                            capacity=capacity, groups=groups, dispatched=dispatched, dtype=x.dtype)
+        noise = self.noise_std if self.training and not self.biased() and self.expert_groups is None else 0.0
+        if pairs.ends is not None and noise <= 0:  # every choice is in its expert's segment: the load is the counts
+            load = pairs.counts
+        elif noise <= 0:  # the noise model's smooth load knows no bias or groups
+            load = load_counts(experts, self.num_experts)
+        else:
+            load = smooth_load(logits, noisy, top_k, noise, experts)
+        return Routing(probs, logits, pairs.item, pairs.counts, pairs.weights, experts[:, 0], weights[:, 0], load,
+                       pairs.kept, pairs.expert, dropped=pairs.dropped, position=pairs.position, **_choices(pairs,
+                                                                                                            weights,
+                                                                                                            experts))
 
     def extra_repr(self) -> str:
         extras = [("normalize=True", self.normalize), (f"noise_std={self.noise_std:g}", self.noise_std > 0),
@@ -215,6 +230,14 @@ class TopKRouter(ChoiceRouter):
                   *self.choice_repr(),
                   (f"eval_capacity_factor={self.eval_capacity_factor}", self.eval_capacity_factor != "training")]
         return ", ".join([f"experts={self.num_experts}, top_k={self.top_k}"] + [text for text, on in extras if on])
+
+
+def _choices(pairs, weights: torch.Tensor, experts: torch.Tensor) -> dict:
+    """`Routing`'s segment ends and each choice's gate and expert [T, k], where the pairs came from
+    `route_ops.route_pairs` (no capacity, no drop): the combine reads the gates in choice order."""
+    if pairs.ends is None:
+        return {}
+    return {"ends": pairs.ends, "gates": weights, "choices": experts}
 
 
 def limit_to_groups(scores: torch.Tensor, count: int, top: int) -> torch.Tensor:
@@ -255,13 +278,15 @@ class ImageRouter(ChoiceRouter):
     def route(self, x: torch.Tensor, images: int = 1) -> Routing:
         per_image = x.reshape(images, items_per_image(x.shape[0], images), x.shape[-1])
         vectors = self.gate_input(x, images)
-        logits = at_least_fp32(self.gate(vectors))
+        logits = self.gate(vectors)
         probs, weights, experts = self.choose(logits)  # one choice per image: the bias's loads are images
         tokens = per_image.shape[1]
         token_experts = experts.repeat_interleave(tokens, dim=0)
-        pairs = group_pairs(token_experts, weights.repeat_interleave(tokens, dim=0), self.num_experts)
-        return Routing(probs, logits, pairs.item, pairs.counts, pairs.weights.to(x.dtype), experts[:, 0], weights[:, 0],
-                       load_counts(experts, self.num_experts), pairs.kept, pairs.expert, position=pairs.position)
+        token_weights = weights.repeat_interleave(tokens, dim=0)
+        pairs = group_pairs(token_experts, token_weights, self.num_experts, dtype=x.dtype)
+        return Routing(probs, logits, pairs.item, pairs.counts, pairs.weights, experts[:, 0], weights[:, 0],
+                       load_counts(experts, self.num_experts), pairs.kept, pairs.expert, position=pairs.position,
+                       **_choices(pairs, token_weights, token_experts))
 
     def extra_repr(self) -> str:
         return ", ".join([f"experts={self.num_experts}, top_k={self.top_k}, normalize={self.normalize}, "

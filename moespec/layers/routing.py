@@ -11,6 +11,7 @@ import torch
 from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
 from .collectives import all_reduce_sum
+from .route_ops import fused_routing, inverse_permutation, narrow_ids, route_pairs, stable_argsort
 from .rows import RoutedRows, Segments
 from .tracing import exporting
 
@@ -21,12 +22,13 @@ class Routing:
 
     Attributes:
         probs: [U, E] softmax of the router logits per decision unit (item, or image for image routing).
-        logits: [U, E] router logits (before noise).
+        logits: [U, E] router logits (before noise), in the gate's dtype (fp32 under router noise).
         item: [P] item index of each (item, expert) pair, pairs grouped by expert in expert order.
         counts: [E] pairs per expert (segment lengths).
         weights: [P] gate value each pair's expert output is scaled by.
         top1: [U] best expert per decision unit; top1_value: [U] its gate probability.
-        load: [E] items assigned to each expert before any capacity drop (smooth under router noise).
+        load: [E] items assigned to each expert before any capacity drop (smooth under router noise; where it is
+            a count, possibly as integers).
         kept: [T] whether each item was dispatched to at least one expert.
         expert: [P] expert of each pair.
         group: the process group of an expert-parallel layer (None in one process): aux losses and statistics
@@ -36,6 +38,9 @@ class Routing:
         position: [T, k] where each item's k choices are among the P = T * k sorted pairs (routing where every
             item makes k choices: token choice and image routing); None elsewhere. With it, the layer gathers
             and combines each item's rows without a scatter (`Experts.combine`).
+        ends: [E] int32 end of each expert's segment, where routing computed it; gates: [T, k] the gate of each
+            choice and choices: [T, k] its expert, where routing has them in choice order (plain top-k on the
+            sync-free path, `route_ops`): the combine then reads them without a gather (`rows.RoutedRows`).
     """
 
     probs: torch.Tensor
@@ -51,6 +56,9 @@ class Routing:
     group: object = None
     dropped: bool = False
     position: torch.Tensor | None = None
+    ends: torch.Tensor | None = None
+    gates: torch.Tensor | None = None
+    choices: torch.Tensor | None = None
 
     @property
     def num_experts(self) -> int:
@@ -59,7 +67,8 @@ class Routing:
     @property
     def rows(self) -> RoutedRows:
         """The routed rows as the experts take them (`rows.RoutedRows`)."""
-        return RoutedRows(self.item, self.weights, Segments(self.counts, self.dropped), self.position)
+        segments = Segments(self.counts, self.dropped, self.ends, None if self.dropped else self.expert)
+        return RoutedRows(self.item, self.weights, segments, self.position, self.gates, self.choices)
 
     def total(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
         """Each tensor summed over the ranks of `group` (as it is in one process); differentiable."""
@@ -131,30 +140,6 @@ def at_least_fp32(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.float64 else t.float()
 
 
-def stable_argsort(key: torch.Tensor, descending: bool = False) -> torch.Tensor:
-    """`torch.argsort(key, stable=True)`. ONNX has no stable sort, so while exporting an integer key is made
-    unique (key * n + position: the same order), and a float key (gate values) is sorted plainly, its ties
-    having probability 0."""
-    if not exporting():
-        return torch.argsort(key, descending=descending, stable=True)
-    if key.is_floating_point():
-        return torch.argsort(key, descending=descending)
-    position = torch.arange(key.numel(), device=key.device)
-    return torch.argsort((-key if descending else key) * key.numel() + position)
-
-
-def narrow_ids(ids: torch.Tensor, count: int) -> torch.Tensor:
-    """Ids in [0, count) in the narrowest integer dtype that holds them, so that a radix sort on a GPU runs one
-    8-bit pass per byte of the dtype (uint8 for up to 256 experts: one pass, where int64 took eleven kernels).
-    Not while exporting, where `stable_argsort` makes the key unique by arithmetic that needs the width."""
-    if exporting():
-        return ids
-    for dtype in (torch.uint8, torch.int16, torch.int32):
-        if count <= torch.iinfo(dtype).max + 1:
-            return ids.to(dtype)
-    return ids
-
-
 class Pairs(NamedTuple):
     item: torch.Tensor  # [P] item of each pair, grouped by expert
     counts: torch.Tensor  # [E] pairs per expert
@@ -163,12 +148,18 @@ class Pairs(NamedTuple):
     kept: torch.Tensor  # [T] whether the item is in at least one pair (of non-zero weight, when static)
     dropped: bool = False  # pairs left out follow the segments, with weight 0 (`Routing.dropped`)
     position: torch.Tensor | None = None  # [T, k] sorted place of each choice (not while exporting)
+    ends: torch.Tensor | None = None  # [E] int32 segment ends, where `route_ops.route_pairs` computed them
 
 
 def group_pairs(experts: torch.Tensor, weights: torch.Tensor, num_experts: int, *,
                 priority: torch.Tensor | None = None, capacity: Sequence[int] | None = None,
-                groups: Groups | None = None, dispatched: torch.Tensor | None = None) -> Pairs:
-    """Group the choices `experts` [T, k] (gate values `weights` [T, k]) by expert.
+                groups: Groups | None = None, dispatched: torch.Tensor | None = None,
+                dtype: torch.dtype | None = None) -> Pairs:
+    """Group the choices `experts` [T, k] (gate values `weights` [T, k]) by expert; the pairs' weights in `dtype`
+    (None: the weights').
+
+    Without a capacity or a drop, one op does it all (`route_ops.route_pairs`; not while a TorchScript trace or
+    `torch.export` records, which take the plain torch ops below).
 
     Only the items where `dispatched` [T] is true take part (None: all). With a `capacity` (a full routing
     group's and the last group's, as `Groups.sizes`), each expert keeps, in each group, its first C pairs in
@@ -182,6 +173,11 @@ def group_pairs(experts: torch.Tensor, weights: torch.Tensor, num_experts: int, 
     """
     static = exporting()
     tokens, top_k = experts.shape
+    dtype = dtype or weights.dtype
+    if capacity is None and dispatched is None and fused_routing():
+        item, expert, pair_weights, counts, ends, position = route_pairs(experts, weights, num_experts, dtype)
+        kept = torch.ones(tokens, dtype=torch.bool, device=experts.device)  # every item makes k >= 1 choices
+        return Pairs(item, counts, pair_weights, expert, kept, position=position, ends=ends)
     flat = experts.reshape(-1)
     device = flat.device
     if dispatched is not None:  # items not dispatched go to a last, dummy expert: they take no capacity
@@ -212,16 +208,16 @@ def group_pairs(experts: torch.Tensor, weights: torch.Tensor, num_experts: int, 
     if static:
         item = order // top_k
         kept = torch.zeros(tokens, dtype=torch.bool, device=device).index_put_((item,), keep, accumulate=True)
-        return Pairs(item, counts, pair_weights * keep, expert.clamp(max=num_experts - 1), kept)
+        return Pairs(item, counts, (pair_weights * keep).to(dtype), expert.clamp(max=num_experts - 1), kept)
     if capacity is None and dispatched is None:
         item = order // top_k
-        return Pairs(item, counts, pair_weights, expert, _covered(item, tokens),
+        return Pairs(item, counts, pair_weights.to(dtype), expert, _covered(item, tokens),
                      position=inverse_permutation(order).view(tokens, top_k))
     last = kept_first(keep)  # the pairs left out after the segments (a stable sort keeps them grouped by expert)
     order, pair_weights, keep = order[last], pair_weights[last] * keep[last], keep[last]
     item = order // top_k
     kept = torch.zeros(tokens, dtype=torch.bool, device=device).index_put_((item,), keep, accumulate=True)
-    return Pairs(item, counts, pair_weights, expert[last].clamp(max=num_experts - 1), kept, dropped=True,
+    return Pairs(item, counts, pair_weights.to(dtype), expert[last].clamp(max=num_experts - 1), kept, dropped=True,
                  position=inverse_permutation(order).view(tokens, top_k))
 
 
@@ -229,12 +225,6 @@ def kept_first(keep: torch.Tensor) -> torch.Tensor:
     """The order that puts the kept entries of `keep` [P] first and the left-out ones last, each in their order
     (a stable sort: pairs grouped by expert stay so)."""
     return stable_argsort((~keep).to(torch.uint8))
-
-
-def inverse_permutation(permutation: torch.Tensor) -> torch.Tensor:
-    """The inverse of a permutation of 0..n-1 (a scatter of distinct indices: deterministic)."""
-    return torch.empty_like(permutation).scatter_(0, permutation, torch.arange(permutation.numel(),
-                                                                               device=permutation.device))
 
 
 def _covered(item: torch.Tensor, tokens: int) -> torch.Tensor:
@@ -281,7 +271,7 @@ def register_aux_loss(kind: str) -> Callable[[Callable[[Routing], torch.Tensor]]
 def importance_load_loss(routing: Routing) -> torch.Tensor:
     """Shazeer et al. 2017: (CV(importance)^2 + CV(load)^2) / 2, with Importance_i = sum_x p_i(x) and
     Load_i = sum_x P(i in top-k of x) (a count without router noise: only importance carries gradient)."""
-    importance, load = routing.total(routing.probs.sum(dim=0), routing.load)
+    importance, load = routing.total(routing.probs.sum(dim=0), routing.load.to(routing.probs.dtype))
     return (_cv_squared(importance) + _cv_squared(load)) / 2
 
 
@@ -301,7 +291,7 @@ def switch_loss(routing: Routing) -> torch.Tensor:
 @register_aux_loss("z_loss")
 def z_loss(routing: Routing) -> torch.Tensor:
     """ST-MoE router z-loss (Zoph et al. 2022): mean over units of logsumexp(logits)^2."""
-    squares = torch.logsumexp(routing.logits, dim=-1).square()
+    squares = torch.logsumexp(at_least_fp32(routing.logits), dim=-1).square()
     if routing.group is None:
         return squares.sum() / max(squares.numel(), 1)  # 0, not NaN, for an empty batch
     total, units = routing.total(squares.sum(), squares.new_tensor(squares.numel()))

@@ -20,13 +20,19 @@ class Segments(NamedTuple):
 
     counts: torch.Tensor
     dropped: bool = False
+    offsets: torch.Tensor | None = None  # `ends()`, where routing computed it (`route_ops.route_pairs`)
+    row_expert: torch.Tensor | None = None  # `expert_of_rows()`, likewise
 
     def ends(self) -> torch.Tensor:
         """[E] int32 end of each expert's segment (the offsets of grouped matmuls), on the device."""
+        if self.offsets is not None:
+            return self.offsets
         return torch.cumsum(self.counts, 0).to(torch.int32)
 
     def expert_of_rows(self, rows: int) -> torch.Tensor:
         """[rows] expert of each row; E (one past the last expert) for a dropped row. No host sync."""
+        if self.row_expert is not None and self.row_expert.shape[0] == rows:
+            return self.row_expert
         experts = self.counts.numel()
         if self.dropped:
             return torch.bucketize(torch.arange(rows, device=self.counts.device), self.ends(), right=True)
@@ -54,12 +60,17 @@ class RoutedRows(NamedTuple):
         position: [T, k] the row of each of an item's k choices, where every item makes k (token choice, image
             routing); None elsewhere (expert choice). With it, each item's outputs are gathered and summed,
             never scatter-added.
+        gates: [T, k] the gate of each choice (weights in choice order), where routing has them so (plain top-k
+            on the sync-free path): the combine reads them there, with no gather and no scatter in its gradient.
+        choices: [T, k] the expert of each choice, likewise.
     """
 
     item: torch.Tensor
     weights: torch.Tensor
     segments: Segments
     position: torch.Tensor | None = None
+    gates: torch.Tensor | None = None
+    choices: torch.Tensor | None = None
 
     @property
     def counts(self) -> torch.Tensor:

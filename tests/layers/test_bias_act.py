@@ -21,6 +21,7 @@ import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -162,6 +163,21 @@ def test_the_op_passes_opcheck(act, glu):
     torch.library.opcheck(torch.ops.moespec.bias_act.default, args)
 
 
+@pytest.mark.parametrize("glu", [None, "act_first"])
+def test_without_a_bias_it_is_the_activation_alone(glu):
+    """A bank without fc1 bias (SwiGLU experts) runs `bias_act` too: the activation (and the gating) in one op."""
+    pre, _, expert, offsets = _op_inputs(11, 8, 4, bias_act.GLU_ORDERS.index(glu), torch.float32)
+    pre.requires_grad_()
+    h = bias_act.bias_act(pre, None, expert, offsets, act="silu", glu=glu)
+    a, b = pre.chunk(2, dim=-1) if glu else (pre, None)
+    want = F.silu(a) * b if glu else F.silu(a)
+    torch.testing.assert_close(h, want)
+    grad = torch.randn_like(h)
+    torch.testing.assert_close(torch.autograd.grad(h, pre, grad)[0], torch.autograd.grad(want, pre, grad)[0])
+    args = (pre, None, expert, offsets, bias_act.ACTIVATIONS.index("silu"), bias_act.GLU_ORDERS.index(glu))
+    torch.library.opcheck(torch.ops.moespec.bias_act.default, args)
+
+
 @pytest.mark.slow  # 9 s: every kernel case in Triton's interpreter, in a subprocess (CI runs it)
 @pytest.mark.skipif(INTERPRETED or not HAS_TRITON, reason="needs triton; the parent of the interpreted run")
 def test_the_kernels_in_the_interpreter():
@@ -188,3 +204,8 @@ def test_the_kernel_computes_what_the_torch_ops_compute(rows, hidden, experts, a
     torch.testing.assert_close(h, bias_act._torch_forward(pre, bias, expert, act, glu), **tolerance)
     dpre = bias_act.launch_backward(grad, pre, bias, expert, act, glu)
     torch.testing.assert_close(dpre, bias_act._torch_backward(grad, pre, bias, expert, act, glu), **tolerance)
+    if act == 1 and rows == 45:  # without a bias (SwiGLU experts): the kernels read none
+        torch.testing.assert_close(bias_act.launch(pre, None, expert, act, glu),
+                                   bias_act._torch_forward(pre, None, expert, act, glu), **tolerance)
+        torch.testing.assert_close(bias_act.launch_backward(grad, pre, None, expert, act, glu),
+                                   bias_act._torch_backward(grad, pre, None, expert, act, glu), **tolerance)

@@ -206,3 +206,34 @@ def test_combine_backward_interpreted(items, k, columns, num_experts, need, bias
         _close(grad_gates, want.to(gates.dtype))
     else:
         assert grad_gates is None
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["gelu", "swiglu"])
+def test_a_layer_step_on_the_kernels_interpreted(kind, dtype, monkeypatch):
+    """`route_ops` wired to the kernels (as on CUDA): a top-2 layer's step along the GPU path gives what it gives
+    on the torch ops, output and every gradient (the launchers' argument and output orders, the dtypes)."""
+    from torch import nn
+
+    from moespec.layers import Experts, LinearGate, MoE, TopKRouter, bias_act, route_ops
+    from moespec.layers.dispatch import device_path
+
+    from .test_device_path import _step
+
+    torch.manual_seed(0)
+    options = {"glu": "act_first", "bias": (False, False)} if kind == "swiglu" else {}
+    bank = Experts(8, 16, 40, 16, act=nn.SiLU() if kind == "swiglu" else nn.GELU(), **options)
+    layer = MoE(TopKRouter(LinearGate(16, 8), 8, 2), bank).to(dtype).train()
+    for p in layer.parameters():
+        p.data.add_(torch.randn_like(p) * 0.05)
+    x = torch.randn(3, 13, 16, generator=torch.Generator().manual_seed(1)).to(dtype)
+    with device_path():
+        want_y, want_grads = _step(layer, x)
+        monkeypatch.setattr(route_ops, "_kernels", lambda *tensors: True)
+        monkeypatch.setattr(bias_act, "_on_kernels", lambda pre, bias: pre.dtype != torch.float64)
+        y, grads = _step(layer, x)
+    tolerance = {"rtol": 1e-4, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 3e-2, "atol": 3e-2}
+    torch.testing.assert_close(y, want_y, **tolerance)
+    for got, want in zip(grads, want_grads, strict=True):
+        torch.testing.assert_close(got, want, **tolerance)

@@ -7,9 +7,9 @@ import torch
 
 from ..bias_act import bias_act
 from ..dispatch import autocast_dtype, sync_free
-from ..expert_autograd import CombinePairs, ExpertLinear, GatherPairs
+from ..expert_autograd import ExpertLinear, GatherPairs
 from ..fused import activation
-from ..routing import inverse_permutation
+from ..route_ops import combine
 from ..rows import RoutedRows, Segments
 from .base import ExpertStep
 
@@ -57,12 +57,15 @@ class GroupedStep(ExpertStep):
         if act is None and b1 is not None:  # the plain ops: the bias per row, in the matmuls' dtype
             b1 = b1.to(dtype)
         out = bank._expert(x, [w1, b1, *norm, w2, None if fold else b2], None, linear=linear, activated=activated)
-        tokens, k = position.shape
-        flat = position.reshape(-1)
-        choice_weights = rows.weights.index_select(0, flat).view(tokens, k)
-        choice_experts = expert.clamp(max=bank.local_experts - 1).index_select(0, flat).view(tokens, k)
-        order = inverse_permutation(flat)  # sorted row -> t * k + j
-        return CombinePairs.apply(out, choice_weights, position, order, choice_experts, b2 if fold else None)
+        gates, choices = rows.gates, rows.choices
+        if gates is None:  # the pairs' gates in choice order (a capacity's dropped choices: 0)
+            tokens, k = position.shape
+            flat = position.reshape(-1)
+            gates = rows.weights.index_select(0, flat).view(tokens, k)
+            choices = expert.clamp(max=bank.local_experts - 1).index_select(0, flat).view(tokens, k)
+        dtype = torch.promote_types(out.dtype, rows.weights.dtype)
+        return combine(out, gates, position, dtype=dtype, experts=choices, bias=b2 if fold else None,
+                       ends=segments.ends())
 
 
 def _segment_linear(segments: Segments, expert: torch.Tensor):
@@ -75,10 +78,10 @@ def _segment_linear(segments: Segments, expert: torch.Tensor):
 
 
 def _bias_act_name(bank) -> str | None:
-    """`bias_act`'s name for the bank's activation where fc1's bias and the activation may run as one op after
-    fc1: fc1 has a bias, nothing clamps, no norm comes between fc1 and the activation, and the activation is
+    """`bias_act`'s name for the bank's activation where fc1's bias (if any) and the activation may run as one op
+    after fc1: nothing clamps, no norm comes between fc1 and the activation, and the activation is
     GELU (erf) or SiLU (`fused.activation`). Else None: the plain ops."""
-    if bank.fc1.bias is None or bank.clamp is not None or bank.inner_norm == "layernorm_before_act":
+    if bank.clamp is not None or bank.inner_norm == "layernorm_before_act":
         return None
     return activation(bank.act)
 

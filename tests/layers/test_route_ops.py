@@ -1,0 +1,167 @@
+"""Routing and combine in a handful of ops (`layers/route_ops.py`, issue 46 point 3):
+- each op computes what the plain torch ops it replaces compute (softmax then top-k; the stable sort of the choices
+  by expert; the weighted gather-sum with fc2's bias), and passes torch's opcheck (schema, fake, autograd);
+- the gate gradient goes back by gathers: no `index_put`, no scatter-add, in forward or backward;
+- along the GPU path (`device_path()`), a top-k layer runs at most 15 kernels in forward and 25 in forward+backward
+  (each moespec op counted as the kernels it launches on CUDA). (That the GPU path computes what the CPU path
+  computes, outputs and every gradient, test_device_path.py checks for every layer kind.)
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from moespec.layers import Experts, LinearGate, MoE, TopKRouter, route_ops
+from moespec.layers.dispatch import device_path
+from moespec.layers.routing import inverse_permutation
+
+CUDA_KERNELS = {"moespec.route_pairs.default": 2}  # a histogram per block of choices, then every choice's row
+"""Kernels a moespec op launches on CUDA, where not one (route_kernels.py)."""
+
+
+class Launches(TorchDispatchMode):
+    """The kernels a GPU would launch for the ops that run: every op that computes (no view, no metadata), each
+    moespec op as the kernels it launches on CUDA."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        aliases = any(r.alias_info is not None and not r.alias_info.is_write for r in func._schema.returns)
+        if not aliases and func not in (torch.ops.aten.detach.default, torch.ops.aten.promote_types.default):
+            self.ops += [str(func)] * CUDA_KERNELS.get(str(func), 1)
+        return func(*args, **(kwargs or {}))
+
+
+def _logits(rows=37, experts=8, dtype=torch.float32):
+    return torch.randn(rows, experts, generator=torch.Generator().manual_seed(0)).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("k", [1, 2, 8])
+def test_softmax_topk_is_softmax_then_topk(k, dtype):
+    logits = _logits(dtype=dtype).requires_grad_()
+    probs, weights, experts = route_ops.softmax_topk(logits, k)
+    want = logits.detach().to(torch.promote_types(dtype, torch.float32)).requires_grad_()
+    want_probs = want.softmax(-1)
+    want_weights, want_experts = want_probs.topk(k, dim=-1)
+    assert probs.dtype == want_probs.dtype and torch.equal(experts, want_experts)
+    torch.testing.assert_close(probs, want_probs)
+    torch.testing.assert_close(weights, want_weights)
+    g_probs, g_weights = torch.randn_like(probs), torch.randn_like(weights)
+    ((probs * g_probs).sum() + (weights * g_weights).sum()).backward()
+    ((want_probs * g_probs).sum() + (want_weights * g_weights).sum()).backward()
+    assert logits.grad.dtype == dtype
+    torch.testing.assert_close(logits.grad, want.grad.to(dtype))
+
+
+def test_route_pairs_is_the_stable_sort_of_the_choices_by_expert():
+    generator = torch.Generator().manual_seed(1)
+    tokens, k, experts = 41, 2, 16
+    choices = torch.randint(0, 5, (tokens, k), generator=generator)  # experts 5..15 empty
+    weights = torch.rand(tokens, k, generator=generator, requires_grad=True)
+    item, row_expert, pair_weights, counts, ends, position = route_ops.route_pairs(choices, weights, experts,
+                                                                                   torch.bfloat16)
+    order = torch.argsort(choices.reshape(-1), stable=True)
+    assert torch.equal(item, order // k) and torch.equal(row_expert, choices.reshape(-1)[order])
+    assert torch.equal(counts, torch.bincount(choices.reshape(-1), minlength=experts))
+    assert ends.dtype == torch.int32 and torch.equal(ends, counts.cumsum(0).int())
+    assert torch.equal(position, inverse_permutation(order).view(tokens, k))
+    assert pair_weights.dtype == torch.bfloat16
+    assert torch.equal(pair_weights, weights.detach().reshape(-1)[order].bfloat16())
+    grad = torch.randn(tokens * k, generator=generator).bfloat16()
+    pair_weights.backward(grad)
+    torch.testing.assert_close(weights.grad, grad.float()[position])  # each choice's row's gradient
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_combine_is_the_weighted_sum_of_each_items_rows(bias):
+    generator = torch.Generator().manual_seed(2)
+    tokens, k, experts, width = 23, 2, 4, 12
+    choices = torch.randint(0, experts, (tokens, k), generator=generator)
+    _, _, _, counts, ends, position = route_ops.route_pairs(choices, torch.ones(tokens, k), experts, torch.float32)
+    out = torch.randn(tokens * k, width, generator=generator, requires_grad=True)
+    gates = torch.rand(tokens, k, generator=generator, requires_grad=True)
+    b = torch.randn(experts, width, generator=generator, requires_grad=True) if bias else None
+    y = route_ops.combine(out, gates, position, dtype=torch.float32, experts=choices, bias=b, ends=ends)
+    want = sum(gates[:, j:j + 1] * (out[position[:, j]] + (b[choices[:, j]] if bias else 0)) for j in range(k))
+    torch.testing.assert_close(y, want)
+    grad = torch.randn_like(y)
+    got = torch.autograd.grad(y, [out, gates] + ([b] if bias else []), grad)
+    expected = torch.autograd.grad(want, [out, gates] + ([b] if bias else []), grad)
+    for g, w in zip(got, expected, strict=True):
+        torch.testing.assert_close(g, w)
+    plain = route_ops.combine(out, None, position, dtype=torch.float32)  # the gather's gradient: a plain sum
+    torch.testing.assert_close(plain, out[position].sum(1))
+
+
+def test_the_ops_pass_opcheck():
+    generator = torch.Generator().manual_seed(3)
+    tokens, k, experts, width = 13, 2, 4, 8
+    logits = torch.randn(tokens, experts, generator=generator, requires_grad=True)
+    torch.library.opcheck(torch.ops.moespec.softmax_topk.default, (logits, k))
+    choices = torch.randint(0, experts, (tokens, k), generator=generator)
+    weights = torch.rand(tokens, k, generator=generator, requires_grad=True)
+    torch.library.opcheck(torch.ops.moespec.route_pairs.default, (choices, weights, experts, torch.float32))
+    _, _, _, _, ends, position = route_ops.route_pairs(choices, weights.detach(), experts, torch.float32)
+    out = torch.randn(tokens * k, width, generator=generator, requires_grad=True)
+    bias = torch.randn(experts, width, generator=generator, requires_grad=True)
+    torch.library.opcheck(torch.ops.moespec.combine.default,
+                          (out, weights, position, choices, bias, ends, torch.float32))
+
+
+def _layer(top_k: int, kind: str, dtype: torch.dtype) -> MoE:
+    torch.manual_seed(0)
+    dim, experts = 32, 8
+    options = {"glu": "act_first", "bias": (False, False)} if kind == "swiglu" else {}
+    bank = Experts(experts, dim, 64, dim, act=nn.SiLU() if kind == "swiglu" else nn.GELU(), **options)
+    layer = MoE(TopKRouter(LinearGate(dim, experts), experts, top_k), bank).to(dtype).train()
+    for p in layer.parameters():  # away from the init's zeros, so that every parameter matters
+        p.data.add_(torch.randn_like(p) * 0.05)
+    return layer
+
+
+def _launches(layer: MoE, x: torch.Tensor, autocast: bool) -> tuple[list[str], list[str]]:
+    """(forward, backward) kernels of one step of `layer` along the GPU path, in a fresh autocast region (as a
+    training step has: autocast casts each weight again)."""
+    with device_path():
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast), Launches() as forward:
+            y = layer(x)
+        grad = torch.randn_like(y)
+        with Launches() as backward:
+            y.backward(grad)
+    return forward.ops, backward.ops
+
+
+@pytest.mark.parametrize("kind", ["gelu", "swiglu"])
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_a_top_k_layer_runs_in_at_most_15_and_25_kernels(top_k, kind):
+    """bf16 weights, the layer of issue 46's point 1: the gate's matmul, softmax + top-k, the pairs (two kernels),
+    the gather, fc1, its bias and activation, fc2 and the combine; backward their gradients, with the bias
+    gradients as grouped sums. No `index_put`, scatter or sort in backward."""
+    layer = _layer(top_k, kind, torch.bfloat16)
+    x = torch.randn(4, 25, 32, dtype=torch.bfloat16, requires_grad=True)
+    forward, backward = _launches(layer, x, autocast=False)
+    assert len(forward) <= 15 and len(forward) + len(backward) <= 25, (forward, backward)
+    assert not [op for op in backward if "index_put" in op or "scatter" in op or "sort" in op], backward
+
+
+@pytest.mark.parametrize("kind", ["gelu", "swiglu"])
+def test_under_autocast_the_extra_kernels_are_one_cast_per_weight(kind):
+    """fp32 weights under bf16 autocast: besides the bf16 layer's kernels, one cast of each weight the step reads
+    in bf16 and of the items in forward, and one cast of each gradient back in backward."""
+    bf16 = _launches(_layer(2, kind, torch.bfloat16), torch.randn(100, 32, dtype=torch.bfloat16,
+                                                                  requires_grad=True), autocast=False)
+    layer = _layer(2, kind, torch.float32)
+    fp32 = _launches(layer, torch.randn(100, 32, requires_grad=True), autocast=True)
+    cast = "aten._to_copy.default"
+    for plain, cast_too in zip(bf16, fp32, strict=True):
+        assert [op for op in cast_too if op != cast] == [op for op in plain if op != cast]
+    cast_in_bf16 = [p for p in layer.parameters() if p is not layer.experts.fc1.bias]  # bias_act reads fp32
+    assert fp32[0].count(cast) == len(cast_in_bf16) + 2  # and the items, twice: the gate's and the experts'
+    assert fp32[1].count(cast) == len(list(layer.parameters())) + 2  # and the items' gradient, through both casts
+
