@@ -44,10 +44,10 @@ def choose_experts(noisy: torch.Tensor, top_k: int, *, score: str = "softmax", n
     given, within the `expert_groups` (G, g) where given), the chosen scores as weights (renormalized with
     `normalize`, times `scale`). Returns (probs [U, E] for the aux losses, weights [U, k], experts [U, k]);
     sigmoid scores are normalized over the experts for the aux losses, as DeepSeek-V3's sequence-wise loss does.
-    The scores are computed in fp32 (fp64 for fp64 logits); a plain softmax top-k runs as one op
-    (`route_ops.softmax_topk`)."""
+    The scores are computed in fp32 (fp64 for fp64 logits); on the sync-free path a plain softmax top-k runs as
+    one op (`route_ops.softmax_topk`)."""
     sigmoid = score == "sigmoid"
-    if not sigmoid and balance is None and expert_groups is None and fused_routing():
+    if not sigmoid and balance is None and expert_groups is None and fused_routing(noisy.device):
         probs, weights, experts = softmax_topk(noisy, top_k)  # one op: one kernel on a GPU
         if normalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)

@@ -158,8 +158,7 @@ def group_pairs(experts: torch.Tensor, weights: torch.Tensor, num_experts: int, 
     """Group the choices `experts` [T, k] (gate values `weights` [T, k]) by expert; the pairs' weights in `dtype`
     (None: the weights').
 
-    Without a capacity or a drop, one op does it all (`route_ops.route_pairs`; not while a TorchScript trace or
-    `torch.export` records, which take the plain torch ops below).
+    Without a capacity or a drop, on the sync-free path, one op does it all (`route_ops.route_pairs`).
 
     Only the items where `dispatched` [T] is true take part (None: all). With a `capacity` (a full routing
     group's and the last group's, as `Groups.sizes`), each expert keeps, in each group, its first C pairs in
@@ -174,7 +173,7 @@ def group_pairs(experts: torch.Tensor, weights: torch.Tensor, num_experts: int, 
     static = exporting()
     tokens, top_k = experts.shape
     dtype = dtype or weights.dtype
-    if capacity is None and dispatched is None and fused_routing():
+    if capacity is None and dispatched is None and fused_routing(experts.device):
         item, expert, pair_weights, counts, ends, position = route_pairs(experts, weights, num_experts, dtype)
         kept = torch.ones(tokens, dtype=torch.bool, device=experts.device)  # every item makes k >= 1 choices
         return Pairs(item, counts, pair_weights, expert, kept, position=position, ends=ends)
