@@ -3,38 +3,29 @@
   by expert; the weighted gather-sum with fc2's bias), and passes torch's opcheck (schema, fake, autograd);
 - the gate gradient goes back by gathers: no `index_put`, no scatter-add, in forward or backward;
 - along the GPU path (`device_path()`), a top-k layer runs at most 15 kernels in forward and 25 in forward+backward
-  (each moespec op counted as the kernels it launches on CUDA). (That the GPU path computes what the CPU path
-  computes, outputs and every gradient, test_device_path.py checks for every layer kind.)
+  (tools/count_kernels.py: each moespec op counted as the kernels it launches on CUDA). (That the GPU path
+  computes what the CPU path computes, outputs and every gradient, test_device_path.py checks for every layer.)
 """
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+
 import pytest
 import torch
-from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from moespec.layers import Experts, LinearGate, MoE, TopKRouter, route_ops
-from moespec.layers.dispatch import device_path
+from moespec.layers import route_ops
 from moespec.layers.routing import inverse_permutation
 
-CUDA_KERNELS = {"moespec.route_pairs.default": 2}  # a histogram per block of choices, then every choice's row
-"""Kernels a moespec op launches on CUDA, where not one (route_kernels.py)."""
+TOOL = Path(__file__).resolve().parents[2] / "tools" / "count_kernels.py"
 
 
-class Launches(TorchDispatchMode):
-    """The kernels a GPU would launch for the ops that run: every op that computes (no view, no metadata), each
-    moespec op as the kernels it launches on CUDA."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        aliases = any(r.alias_info is not None and not r.alias_info.is_write for r in func._schema.returns)
-        if not aliases and func not in (torch.ops.aten.detach.default, torch.ops.aten.promote_types.default):
-            self.ops += [str(func)] * CUDA_KERNELS.get(str(func), 1)
-        return func(*args, **(kwargs or {}))
+def _tool():
+    spec = importlib.util.spec_from_file_location("moespec_count_kernels", TOOL)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _logits(rows=37, experts=8, dtype=torch.float32):
@@ -114,38 +105,15 @@ def test_the_ops_pass_opcheck():
                           (out, weights, position, choices, bias, ends, torch.float32))
 
 
-def _layer(top_k: int, kind: str, dtype: torch.dtype) -> MoE:
-    torch.manual_seed(0)
-    dim, experts = 32, 8
-    options = {"glu": "act_first", "bias": (False, False)} if kind == "swiglu" else {}
-    bank = Experts(experts, dim, 64, dim, act=nn.SiLU() if kind == "swiglu" else nn.GELU(), **options)
-    layer = MoE(TopKRouter(LinearGate(dim, experts), experts, top_k), bank).to(dtype).train()
-    for p in layer.parameters():  # away from the init's zeros, so that every parameter matters
-        p.data.add_(torch.randn_like(p) * 0.05)
-    return layer
-
-
-def _launches(layer: MoE, x: torch.Tensor, autocast: bool) -> tuple[list[str], list[str]]:
-    """(forward, backward) kernels of one step of `layer` along the GPU path, in a fresh autocast region (as a
-    training step has: autocast casts each weight again)."""
-    with device_path():
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast), Launches() as forward:
-            y = layer(x)
-        grad = torch.randn_like(y)
-        with Launches() as backward:
-            y.backward(grad)
-    return forward.ops, backward.ops
-
-
 @pytest.mark.parametrize("kind", ["gelu", "swiglu"])
 @pytest.mark.parametrize("top_k", [1, 2])
 def test_a_top_k_layer_runs_in_at_most_15_and_25_kernels(top_k, kind):
     """bf16 weights, the layer of issue 46's point 1: the gate's matmul, softmax + top-k, the pairs (two kernels),
     the gather, fc1, its bias and activation, fc2 and the combine; backward their gradients, with the bias
     gradients as grouped sums. No `index_put`, scatter or sort in backward."""
-    layer = _layer(top_k, kind, torch.bfloat16)
+    tool = _tool()
     x = torch.randn(4, 25, 32, dtype=torch.bfloat16, requires_grad=True)
-    forward, backward = _launches(layer, x, autocast=False)
+    forward, backward = tool.step_kernels(tool.layer(top_k, kind, torch.bfloat16), x, autocast=False)
     assert len(forward) <= 15 and len(forward) + len(backward) <= 25, (forward, backward)
     assert not [op for op in backward if "index_put" in op or "scatter" in op or "sort" in op], backward
 
@@ -154,10 +122,11 @@ def test_a_top_k_layer_runs_in_at_most_15_and_25_kernels(top_k, kind):
 def test_under_autocast_the_extra_kernels_are_one_cast_per_weight(kind):
     """fp32 weights under bf16 autocast: besides the bf16 layer's kernels, one cast of each weight the step reads
     in bf16 and of the items in forward, and one cast of each gradient back in backward."""
-    bf16 = _launches(_layer(2, kind, torch.bfloat16), torch.randn(100, 32, dtype=torch.bfloat16,
-                                                                  requires_grad=True), autocast=False)
-    layer = _layer(2, kind, torch.float32)
-    fp32 = _launches(layer, torch.randn(100, 32, requires_grad=True), autocast=True)
+    tool = _tool()
+    bf16 = tool.step_kernels(tool.layer(2, kind, torch.bfloat16), torch.randn(100, 32, dtype=torch.bfloat16,
+                                                                              requires_grad=True), autocast=False)
+    layer = tool.layer(2, kind, torch.float32)
+    fp32 = tool.step_kernels(layer, torch.randn(100, 32, requires_grad=True), autocast=True)
     cast = "aten._to_copy.default"
     for plain, cast_too in zip(bf16, fp32, strict=True):
         assert [op for op in cast_too if op != cast] == [op for op in plain if op != cast]
