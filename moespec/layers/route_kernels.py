@@ -60,6 +60,7 @@ def _softmax_topk_kernel(logits_ptr, probs_ptr, weights_ptr, experts_ptr, rows, 
     for j in range(top_k):
         best = tl.max(left, axis=1)
         chosen = tl.min(tl.where(left == best[:, None], column[None, :], BLOCK_E), axis=1)
+        chosen = tl.minimum(chosen, num_experts - 1)  # a NaN row matches no value: its indices stay in range
         tl.store(weights_ptr + out + j, best, mask=row_mask)
         tl.store(experts_ptr + out + j, chosen.to(tl.int64), mask=row_mask)
         left = tl.where(column[None, :] == chosen[:, None], float("-inf"), left)

@@ -237,3 +237,14 @@ def test_a_layer_step_on_the_kernels_interpreted(kind, dtype, monkeypatch):
     torch.testing.assert_close(y, want_y, **tolerance)
     for got, want in zip(grads, want_grads, strict=True):
         torch.testing.assert_close(got, want, **tolerance)
+
+
+@interpreted
+def test_softmax_topk_keeps_a_nan_rows_experts_in_range_interpreted():
+    """A row of NaN logits (a diverged step) gives weights that are not finite but experts in [0, E): the pair
+    kernels and the gathers after them index with them."""
+    logits = _logits(5, 8, torch.float32)
+    logits[2] = float("nan")
+    _, weights, experts = _kernels().launch_softmax_topk(logits, 2)
+    assert experts.min() >= 0 and experts.max() < 8
+    assert not weights[2].isfinite().any() and weights[[0, 1, 3, 4]].isfinite().all()
