@@ -104,7 +104,10 @@ class GatherPairs(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad):
         (position,) = ctx.saved_tensors
-        return combine(grad, None, position, dtype=grad.dtype), None, None  # one pass: each item's k rows summed
+        if sync_free(grad.device):  # one op (one kernel on a GPU): each item's k rows summed
+            return combine(grad, None, position, dtype=grad.dtype), None, None
+        rows = grad.index_select(0, position.reshape(-1)).view(*position.shape, grad.shape[-1])
+        return rows.sum(1) if position.shape[1] > 1 else rows.squeeze(1), None, None
 
 
 class CombinePairs(torch.autograd.Function):
