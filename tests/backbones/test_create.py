@@ -18,7 +18,8 @@ from ..conftest import TINY_SPEC_YAML, TINY_VIT, make_spec, measured_run, write
 NO_PRETRAINED = "backbone: {model: vit_small_patch16_224, pretrained: true}\nmoe: [{where: {last: 1}, experts: 2}]\n"
 
 
-@pytest.mark.parametrize("kwargs", ["", ", kwargs: {num_classes: 10}"], ids=["no-kwargs", "kwargs"])
+@pytest.mark.parametrize("kwargs", ["", pytest.param(", kwargs: {num_classes: 10}", marks=pytest.mark.slow)],  # 5 s
+                         ids=["no-kwargs", "kwargs"])
 def test_pretrained_weights_that_cannot_be_downloaded_are_one_clean_error(tmp_path, kwargs):
     """With no network, `upcycle` exited 1 ("internal error ... a bug in moespec") for a spec without kwargs, and
     blamed the kwargs (exit 2) for one with them."""

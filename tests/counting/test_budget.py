@@ -19,7 +19,8 @@ from ..conftest import TINY_CONVNEXT, TINY_VIT, make_spec, measured_run, write
 MOE = [{"where": {"last": 1}, "experts": 4}]
 
 
-@pytest.mark.parametrize("backbone", [TINY_VIT, TINY_CONVNEXT], ids=["vit", "convnext"])
+@pytest.mark.parametrize("backbone", [TINY_VIT, pytest.param(TINY_CONVNEXT, marks=pytest.mark.slow)],  # 5 s each
+                         ids=["vit", "convnext"])
 def test_stats_at_the_largest_input_size_is_refused_in_bounded_memory(tmp_path, backbone):
     """`stats --input-size 3 16384 16384` grew past 3 GB in 10-13 s (ViT and ConvNeXt) until it was killed."""
     path = write(tmp_path, make_spec(backbone, MOE).to_yaml())
