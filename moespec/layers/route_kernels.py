@@ -150,6 +150,18 @@ def _route_place_kernel(experts_ptr, weights_ptr, histogram_ptr, item_ptr, row_e
 
 
 @triton.jit
+def _choice_row(out_ptr, bias_ptr, experts_ptr, position, choice, item_mask, column, mask, stride_out, stride_bias,
+                HAS_BIAS: tl.constexpr):
+    """[BLOCK_T, BLOCK_C] fp32: out[position] of one choice of each item, plus bias[experts[choice]] with HAS_BIAS."""
+    picked = tl.load(out_ptr + position[:, None] * stride_out + column[None, :], mask=mask, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        expert = tl.load(experts_ptr + choice, mask=item_mask, other=0)
+        picked += tl.load(bias_ptr + expert[:, None] * stride_bias + column[None, :], mask=mask,
+                          other=0.0).to(tl.float32)
+    return picked
+
+
+@triton.jit
 def _combine_kernel(out_ptr, gates_ptr, position_ptr, experts_ptr, bias_ptr, y_ptr, items, columns, top_k,
                     stride_out, stride_bias, stride_y, HAS_GATES: tl.constexpr, HAS_BIAS: tl.constexpr,
                     BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
@@ -163,12 +175,8 @@ def _combine_kernel(out_ptr, gates_ptr, position_ptr, experts_ptr, bias_ptr, y_p
     y = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
     for j in range(top_k):
         position = tl.load(position_ptr + pair + j, mask=item_mask, other=0)
-        picked = tl.load(out_ptr + position[:, None] * stride_out + column[None, :], mask=mask,
-                         other=0.0).to(tl.float32)
-        if HAS_BIAS:
-            expert = tl.load(experts_ptr + pair + j, mask=item_mask, other=0)
-            picked += tl.load(bias_ptr + expert[:, None] * stride_bias + column[None, :], mask=mask,
-                              other=0.0).to(tl.float32)
+        picked = _choice_row(out_ptr, bias_ptr, experts_ptr, position, pair + j, item_mask, column, mask,
+                             stride_out, stride_bias, HAS_BIAS)
         if HAS_GATES:
             picked *= tl.load(gates_ptr + pair + j, mask=item_mask, other=0.0).to(tl.float32)[:, None]
         y += picked
@@ -202,12 +210,8 @@ def _combine_backward_kernel(grad_ptr, out_ptr, gates_ptr, position_ptr, experts
                 tl.store(grad_out_ptr + position[:, None] * stride_grad_out + column[None, :],
                          (gate[:, None] * grad).to(grad_out_ptr.dtype.element_ty), mask=mask)
             if NEED_GATES:
-                picked = tl.load(out_ptr + position[:, None] * stride_out + column[None, :], mask=mask,
-                                 other=0.0).to(tl.float32)
-                if HAS_BIAS:
-                    expert = tl.load(experts_ptr + pair + j, mask=item_mask, other=0)
-                    picked += tl.load(bias_ptr + expert[:, None] * stride_bias + column[None, :], mask=mask,
-                                      other=0.0).to(tl.float32)
+                picked = _choice_row(out_ptr, bias_ptr, experts_ptr, position, pair + j, item_mask, column, mask,
+                                     stride_out, stride_bias, HAS_BIAS)
                 dots += tl.where(slot[None, :] == j, tl.sum(grad * picked, axis=1)[:, None], 0.0)
     if NEED_GATES:
         tl.store(grad_gates_ptr + pair[:, None] + slot[None, :], dots.to(grad_gates_ptr.dtype.element_ty),

@@ -30,9 +30,16 @@ from .grouped import segment_sum
 from .tracing import exporting
 
 try:
-    from . import route_kernels
+    from .route_kernels import (
+        launch_combine,
+        launch_combine_backward,
+        launch_route_pairs,
+        launch_softmax_topk,
+        launch_softmax_topk_backward,
+    )
+    HAS_KERNELS = True
 except ImportError:  # no Triton: the torch ops run everywhere
-    route_kernels = None
+    HAS_KERNELS = False
 
 MAX_KERNEL_EXPERTS = 1024  # the kernels hold a row of E scores in registers
 
@@ -47,7 +54,7 @@ def fused_routing(device: torch.device) -> bool:
 def _kernels(*tensors: Optional[torch.Tensor]) -> bool:
     """Whether the Triton kernels run: Triton installed, CUDA tensors of at most 32 bits."""
     present = [t for t in tensors if t is not None]
-    return (route_kernels is not None and present[0].is_cuda
+    return (HAS_KERNELS and present[0].is_cuda
             and not any(t.dtype == torch.float64 for t in present))
 
 
@@ -90,7 +97,7 @@ def inverse_permutation(permutation: torch.Tensor) -> torch.Tensor:
 
 def _softmax_topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     if _kernels(logits) and logits.shape[-1] <= MAX_KERNEL_EXPERTS:
-        return route_kernels.launch_softmax_topk(logits, k)
+        return launch_softmax_topk(logits, k)
     probs = logits.to(_compute_dtype(logits)).softmax(dim=-1)
     weights, experts = probs.topk(k, dim=-1)
     return probs, weights, experts
@@ -99,7 +106,7 @@ def _softmax_topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Ten
 def _softmax_topk_backward(grad_probs: Optional[torch.Tensor], grad_weights: Optional[torch.Tensor],
                            probs: torch.Tensor, experts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     if _kernels(probs) and probs.shape[-1] <= MAX_KERNEL_EXPERTS:
-        return route_kernels.launch_softmax_topk_backward(grad_probs, grad_weights, probs, experts, dtype)
+        return launch_softmax_topk_backward(grad_probs, grad_weights, probs, experts, dtype)
     g = torch.zeros_like(probs) if grad_probs is None else grad_probs.to(probs.dtype)
     if grad_weights is not None:
         g = g.scatter_add(1, experts, grad_weights.to(probs.dtype))
@@ -111,7 +118,7 @@ def _softmax_topk_backward(grad_probs: Optional[torch.Tensor], grad_weights: Opt
 def _route_pairs(experts: torch.Tensor, weights: torch.Tensor, num_experts: int, dtype: torch.dtype
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     if _kernels(weights) and num_experts <= MAX_KERNEL_EXPERTS:
-        item, row_expert, pair_weights, counts, ends, position = route_kernels.launch_route_pairs(
+        item, row_expert, pair_weights, counts, ends, position = launch_route_pairs(
             experts, weights, num_experts, dtype)
         return pair_weights, item, row_expert, counts, ends, position
     tokens, k = experts.shape
@@ -127,7 +134,7 @@ def _route_pairs(experts: torch.Tensor, weights: torch.Tensor, num_experts: int,
 def _combine(out: torch.Tensor, gates: Optional[torch.Tensor], position: torch.Tensor, experts: Optional[torch.Tensor],
              bias: Optional[torch.Tensor], ends: Optional[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
     if _kernels(out, gates, bias):
-        return route_kernels.launch_combine(out, gates, position, experts, bias, dtype)
+        return launch_combine(out, gates, position, experts, bias, dtype)
     tokens, k = position.shape
     compute = _compute_dtype(out, gates, bias)
     picked = out.index_select(0, position.reshape(-1)).view(tokens, k, out.shape[-1]).to(compute)
@@ -143,7 +150,7 @@ def _combine_backward(grad: torch.Tensor, out: torch.Tensor, gates: torch.Tensor
                       need_gates: bool) -> list[torch.Tensor]:
     """[grad_out [P, C'] where `need_out`, grad_gates [T, k] where `need_gates`]."""
     if _kernels(grad, out, gates, bias):
-        grads = route_kernels.launch_combine_backward(grad, out, gates, position, experts, bias, need_out, need_gates)
+        grads = launch_combine_backward(grad, out, gates, position, experts, bias, need_out, need_gates)
         return [g for g in grads if g is not None]
     tokens, k = position.shape
     compute = _compute_dtype(grad, out, gates, bias)

@@ -14,11 +14,6 @@ sync-free path runs fc1 without bias and then `moespec::bias_act`, and copies no
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -33,12 +28,10 @@ from moespec.layers.moe import MoE
 from moespec.layers.routers import LinearGate, TopKRouter
 from moespec.layers.steps import set_expert_step
 
+from .interpreter import interpreted, parent, run_interpreted
 from .test_device_path import _step as outputs_and_gradients
 
 DIM, HIDDEN, IMAGES, TOKENS = 32, 64, 2, 5
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-HAS_TRITON = importlib.util.find_spec("triton") is not None
-interpreted = pytest.mark.skipif(not INTERPRETED, reason="runs in test_the_kernels_in_the_interpreter's subprocess")
 
 KINDS = {  # bank options, and whether `bias_act` fuses its bias and activation
     "gelu": ({"act": nn.GELU()}, True),
@@ -179,13 +172,9 @@ def test_without_a_bias_it_is_the_activation_alone(glu):
 
 
 @pytest.mark.slow  # 9 s: every kernel case in Triton's interpreter, in a subprocess (CI runs it)
-@pytest.mark.skipif(INTERPRETED or not HAS_TRITON, reason="needs triton; the parent of the interpreted run")
+@parent
 def test_the_kernels_in_the_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "kernel",
-                          __file__], env=env, capture_output=True, text=True, timeout=240)
-    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
-    assert " passed" in run.stdout and " failed" not in run.stdout, run.stdout[-3000:]
+    run_interpreted(__file__, timeout=240, select="kernel")
 
 
 @interpreted

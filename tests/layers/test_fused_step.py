@@ -12,9 +12,6 @@ show there) and forcing the step on CPU says why it cannot run.
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -28,13 +25,11 @@ from moespec.layers.moe import MoE
 from moespec.layers.routers import ExpertChoiceRouter, ImageRouter, LinearGate, TopKRouter
 from moespec.layers.steps import set_expert_step
 
+from .interpreter import HAS_TRITON, INTERPRETED, interpreted, parent, run_interpreted
 from .test_device_path import _step as outputs_and_gradients
 
 DIM, HIDDEN, IMAGES, TOKENS = 32, 64, 3, 7
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 ROOT = Path(__file__).resolve().parents[2]
-HAS_TRITON = importlib.util.find_spec("triton") is not None
-interpreted = pytest.mark.skipif(not INTERPRETED, reason="runs in test_the_kernels_in_the_interpreter's subprocess")
 
 
 def _bank(experts: int, kind: str = "gelu", bias: bool = True) -> Experts:
@@ -90,13 +85,9 @@ def _assert_same(got, want, rtol=1e-4, atol=1e-5):
 
 
 @pytest.mark.slow  # 2.5 min: every kernel case in Triton's interpreter, in a subprocess (CI runs it)
-@pytest.mark.skipif(INTERPRETED or not HAS_TRITON, reason="needs triton; the parent of the interpreted run")
+@parent
 def test_the_kernels_in_the_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__], env=env,
-                         capture_output=True, text=True, timeout=900)
-    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
-    assert " passed" in run.stdout and " failed" not in run.stdout, run.stdout[-3000:]
+    run_interpreted(__file__, timeout=900)
 
 
 @interpreted

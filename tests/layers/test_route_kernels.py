@@ -11,29 +11,18 @@ subprocess with TRITON_INTERPRET=1, as in test_bias_act.py), compute what their 
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-HAS_TRITON = importlib.util.find_spec("triton") is not None
-interpreted = pytest.mark.skipif(not INTERPRETED, reason="runs in test_the_route_kernels_in_the_interpreter's "
-                                                         "subprocess")
+from .interpreter import interpreted, parent, run_interpreted
+
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
 @pytest.mark.slow  # every route kernel case in Triton's interpreter, in a subprocess (CI runs it)
-@pytest.mark.skipif(INTERPRETED or not HAS_TRITON, reason="needs triton; the parent of the interpreted run")
+@parent
 def test_the_route_kernels_in_the_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "interpreted",
-                          __file__], env=env, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
-    assert " passed" in run.stdout and " failed" not in run.stdout, run.stdout[-3000:]
+    run_interpreted(__file__, timeout=600, select="interpreted")
 
 
 def _kernels():
