@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from .compiler import create_model, moe_layers, plan_of
     from .compress import densify, merge, prune
     from .counting import fvcore_handles, stats
-    from .layers.bias_steps import update_bias, update_bias_on_step
+    from .layers.balancing import update_bias, update_bias_on_step
     from .layers.moe import aux_loss, follow_grad_scaler
     from .layers.steps import set_expert_step
     from .weights import load, save, upcycle, upcycle_to_checkpoint
@@ -40,8 +40,8 @@ _LAZY = {
     "create_model": "compiler", "moe_layers": "compiler", "plan_of": "compiler",
     "densify": "compress", "merge": "compress", "prune": "compress",
     "fvcore_handles": "counting", "stats": "counting",
-    "aux_loss": "layers.moe", "follow_grad_scaler": "layers.moe", "update_bias": "layers.bias_steps",
-    "update_bias_on_step": "layers.bias_steps", "set_expert_step": "layers.steps", "load": "weights", "save": "weights",
+    "aux_loss": "layers.moe", "follow_grad_scaler": "layers.moe", "update_bias": "layers.balancing",
+    "update_bias_on_step": "layers.balancing", "set_expert_step": "layers.steps", "load": "weights", "save": "weights",
     "upcycle": "weights", "upcycle_to_checkpoint": "weights",
 }
 """Public name -> the subpackage (relative to moespec) that defines it."""

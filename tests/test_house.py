@@ -162,3 +162,54 @@ def test_no_code_reads_a_router_setting_by_name():
     found = [f"{path.relative_to(PACKAGE)}:{number}: {line.strip()}" for path in PACKAGE.rglob("*.py")
              for number, line in enumerate(path.read_text().splitlines(), 1) if by_name.search(line)]
     assert found == []
+
+
+LAYER_TIERS = ["kernels", "ops", "steps", ""]
+"""The tiers of `moespec.layers`, lowest first: Triton kernels, torch ops, the expert steps, then the modules the
+compiler inserts (the folder itself). A tier imports its own and the tiers below it, never one above."""
+
+
+def _layer_tier(module: str) -> int | None:
+    parts = module.split(".")
+    if parts[:2] != ["moespec", "layers"]:
+        return None
+    return LAYER_TIERS.index(parts[2] if len(parts) > 2 and parts[2] in LAYER_TIERS[:-1] else "")
+
+
+def test_the_layer_tiers_import_only_downwards():
+    upward = [f"{name} imports {target}" for name, targets in _graph().items()
+              if (tier := _layer_tier(name)) is not None
+              for target in targets if (above := _layer_tier(target)) is not None and above > tier]
+    assert upward == []
+    assert {_layer_tier(name) for name in _modules()} >= {0, 1, 2, 3}  # every tier has modules
+
+
+def test_only_the_kernels_tier_imports_triton():
+    """`layers/kernels/` is the one folder that imports Triton; `layers/ops/backend.py` imports it behind one
+    availability check, so that moespec imports and runs where Triton is not installed."""
+    importing = sorted(name for name, path in _modules().items() for target, _, _ in _imports(name, path)
+                       if target.split(".")[0] == "triton" and not name.startswith("moespec.layers.kernels"))
+    assert importing == []
+    backend = [name for name, path in _modules().items() for target, _, _ in _imports(name, path)
+               if target.startswith("moespec.layers.kernels") and not name.startswith("moespec.layers.kernels")]
+    assert sorted(set(backend)) == ["moespec.layers.ops.backend"]
+
+
+def test_the_mode_is_asked_in_one_file():
+    """How a layer call runs (compiling, exporting, a TorchScript trace) is asked in `layers/ops/mode.py` and
+    carried down as a `Mode`; `side_by_side` checks its own thread's state (a trace among it) before it hands work
+    to other threads."""
+    asking = re.compile(r"\b(sync_free|exporting|traced)\(|jit\.is_tracing\(\)|is_compiling\(|is_exporting\(")
+    found = sorted(f"{path.relative_to(PACKAGE)}:{number}" for path in PACKAGE.rglob("*.py")
+                   for number, line in enumerate(path.read_text().splitlines(), 1)
+                   if asking.search(line.split("#")[0]) and not line.lstrip().startswith("def ")
+                   and path.relative_to(PACKAGE).as_posix() != "layers/ops/mode.py")
+    assert [where.split(":")[0] for where in found] == ["layers/ops/side_by_side.py"], found
+
+
+def test_the_steps_use_the_bank_through_its_declared_surface():
+    """No step or transport reaches a private member of the expert bank (`steps/bank.py` declares what they use)."""
+    private = re.compile(r"\bbank\._[a-z]")
+    found = [f"{path.relative_to(PACKAGE)}:{number}: {line.strip()}" for path in (PACKAGE / "layers").rglob("*.py")
+             for number, line in enumerate(path.read_text().splitlines(), 1) if private.search(line)]
+    assert found == []

@@ -10,8 +10,8 @@ ones, whole-model training-step efficiency (eager and compiled), and the host-sy
    loop has). Each is timed against the dense FFN of its family with hidden width k * 3072 (equal activated
    FLOPs) built in the same precision: forward (no autograd) and forward+backward, CUDA-synchronized medians,
    interleaved. The default step ("auto") and each forced step (padded, grouped_mm, and triton where
-   `fused.unavailable` allows it: the fused kernels of moespec/layers/fused.py) are timed, after a check that
-   their outputs agree. A forced step that fails (an untried kernel) is reported and left out, not fatal.
+   `available_steps` allows it: the scattered kernels of moespec/layers/ops/scattered.py) are timed, after a
+   check that their outputs agree. A forced step that fails (an untried kernel) is reported and left out, not fatal.
 2. Model (`model`): one training step (bf16 autocast, fused AdamW, cross-entropy + moespec.aux_loss) of
    vit_b16_moe8_every2_top2 at batch 128, vit_s16_moe8_every2_top2 at 256 and softmoe_s16_e128_half at 256,
    against its dense backbone; efficiency = (activated-FLOP ratio from `moespec stats`) / (time ratio).
@@ -43,7 +43,7 @@ from moespec.layers import (
     MoE,
     SoftMoE,
     TopKRouter,
-    fused,
+    available_steps,
     set_expert_step,
 )
 
@@ -114,7 +114,8 @@ def _layer_setting(device, precision, family, experts, top_k, tokens, dim, hidde
     moe, dense = moe.to(device, dtype), dense.to(device, dtype)
     x = torch.randn(tokens, dim, device=device, dtype=dtype)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "autocast")
-    steps = ["auto", "padded", "grouped_mm"] + (["triton"] if fused.unavailable(device, torch.bfloat16) is None else [])
+    triton = "triton" in available_steps(device, torch.bfloat16)
+    steps = ["auto", "padded", "grouped_mm"] + (["triton"] if triton else [])
     failed = {}
     with autocast:
         outputs = {}
@@ -216,7 +217,7 @@ def _forced(layer: MoE, step: str) -> MoE:
 def sync_check(device) -> dict[str, str]:
     results = {}
     kinds = _kinds(64)
-    if fused.unavailable(device, torch.bfloat16) is None:
+    if "triton" in available_steps(device, torch.bfloat16):
         kinds["topk2-triton"] = lambda: _forced(kinds["topk2"](), "triton")
     for name, make in kinds.items():
         layer = make().to(device).train()

@@ -8,7 +8,7 @@
    d = 384, measured interleaved in one process; median ms and the ratio MoE / dense, forward and
    forward+backward, for the default step ("auto", which step it picks) and each forced step (loop, padded,
    grouped_mm), with auto / best forced and the pick's own forced time / best forced (whether auto chose
-   well, apart from the noise of timing the same code twice): the figures `moespec/layers/dispatch.py` is
+   well, apart from the noise of timing the same code twice): the figures `moespec/layers/steps/rule.py` is
    fitted on. At T = 197 also the weight-bandwidth floor: the bytes of the expert weights the batch needs, at
    the memory read bandwidth measured in the same run; the compute floor: the routed rows' FLOPs at the rate
    of a large square matmul measured in the same run (where it is above 1.5x the bandwidth floor, the layer

@@ -1,12 +1,12 @@
 """The kernels a GPU launches for one step of a top-k MoE layer, counted on CPU along the GPU path
-(`dispatch.device_path()`), no GPU needed (issue 46 point 3: at most 15 in forward and 25 in forward+backward):
+(`moespec.layers.device_path()`), no GPU needed: at most 15 in forward and 25 in forward+backward:
 
     python tools/count_kernels.py          # the table of docs/gpu.md; --list prints each kernel of each step
 
 Every op that computes is counted (no views, no metadata), each moespec custom op as the kernels it launches on
 CUDA (`CUDA_KERNELS`: one, but for the pairs' two). The loss's own ops are not counted: backward starts from a
 given output gradient. Each step runs in a fresh autocast region, as a training step does (autocast casts each
-weight again). tests/layers/test_route_ops.py asserts the bounds with `step_kernels`.
+weight again). tests/layers/test_pairs.py asserts the bounds with `step_kernels`.
 """
 
 from __future__ import annotations
@@ -21,11 +21,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from moespec.layers import Experts, LinearGate, MoE, TopKRouter  # noqa: E402
-from moespec.layers.dispatch import device_path  # noqa: E402
+from moespec.layers import Experts, LinearGate, MoE, TopKRouter, device_path  # noqa: E402
 
-CUDA_KERNELS = {"moespec.route_pairs.default": 2}  # a histogram per block of choices, then every choice's row
-"""Kernels a moespec op launches on CUDA, where not one (`layers/route_kernels.py`)."""
+CUDA_KERNELS = {"moespec.sort_pairs.default": 2}  # a histogram per block of choices, then every choice's row
+"""Kernels a moespec op launches on CUDA, where not one (`layers/kernels/pairs.py`)."""
 NOT_KERNELS = {"aten.detach.default", "aten.promote_types.default"}
 
 

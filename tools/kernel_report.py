@@ -1,13 +1,13 @@
-"""Registers, spills and shared memory of the fused step's Triton kernels, of the grouped step's `bias_act`
-kernels (`layers/bias_act.py`) and of the routing and combine kernels (`layers/route_kernels.py`), compiled for a
-Hopper GPU (sm_90) on any machine, no GPU needed:
+"""Registers, spills and shared memory of the triton step's scattered kernels (`layers/kernels/scattered.py`), of
+the grouped step's `bias_act` kernels (`layers/kernels/bias_act.py`) and of the routing and combine kernels
+(`layers/kernels/pairs.py`), compiled for a Hopper GPU (sm_90) on any machine, no GPU needed:
 
     python tools/kernel_report.py            # the launches of a ViT-B layer (d = 768, expert width 3072), bf16
 
-Each kernel is compiled as a real launch specializes it: its config from `fused.CONFIGS` (or its module's),
-its flags, and the divisibility hints Triton adds at a launch (every pointer 16-byte aligned, every integer
+Each kernel is compiled as a real launch specializes it: its config from `kernels.scattered.CONFIGS` (or its
+module's), its flags, and the divisibility hints Triton adds at a launch (every pointer 16-byte aligned, every integer
 argument that is a multiple of 16 marked so, an integer equal to 1 made a constant). ptxas' own report (`-v`)
-gives the registers, the spill stores and loads, and the stack frame. tests/layers/test_fused_step.py asserts
+gives the registers, the spill stores and loads, and the stack frame. tests/layers/test_triton_step.py asserts
 that no kernel spills.
 """
 
@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from moespec.layers import bias_act, fused, route_kernels  # noqa: E402
+from moespec.layers.kernels import bias_act, pairs, scattered  # noqa: E402
 
 INDEX_POINTERS = {"order_ptr", "a_order_ptr", "b_order_ptr", "expert_ptr"}  # int64
 FP32_POINTERS = {"gate_ptr", "dgate_ptr", "dy_ptr"}  # gates and the output gradient under fp32 gates
@@ -34,8 +34,8 @@ POINTERS_OF = {  # the route kernels' pointers that are not of the element type:
     "_softmax_topk_kernel": {"probs_ptr": "*fp32", "weights_ptr": "*fp32", "experts_ptr": "*i64"},
     "_softmax_topk_backward_kernel": {"grad_probs_ptr": "*fp32", "grad_weights_ptr": "*fp32", "probs_ptr": "*fp32",
                                       "experts_ptr": "*i64"},
-    "_route_histogram_kernel": {"experts_ptr": "*i64", "histogram_ptr": "*i32"},
-    "_route_place_kernel": {"experts_ptr": "*i64", "weights_ptr": "*fp32", "histogram_ptr": "*i32",
+    "_pairs_histogram_kernel": {"experts_ptr": "*i64", "histogram_ptr": "*i32"},
+    "_pairs_place_kernel": {"experts_ptr": "*i64", "weights_ptr": "*fp32", "histogram_ptr": "*i32",
                             "item_ptr": "*i64", "row_expert_ptr": "*i64", "pair_weights_ptr": "*fp32",
                             "position_ptr": "*i64", "counts_ptr": "*i64", "ends_ptr": "*i32"},
     "_combine_kernel": {"gates_ptr": "*fp32", "position_ptr": "*i64", "experts_ptr": "*i64", "bias_ptr": "*fp32"},
@@ -48,47 +48,48 @@ ABSENT = {"GATHER": ["order_ptr"], "SCATTER": ["order_ptr"], "HAS_BIAS": ["b_ptr
 
 def launches(dim: int = 768, hidden: int = 3072, experts: int = 8, top_k: int = 2, tokens: int = 50432) -> list:
     """(label, kernel, config name, flags, integer arguments by name) of one forward and backward of a top-k layer
-    with GELU experts and biases: the flags and the integers that `fused` passes."""
+    with GELU experts and biases: the flags and the integers that `kernels.scattered` passes."""
     rows = tokens * top_k
     common = {"rows": rows, "experts": experts, "top_k": top_k}
     return [
-        ("fc1", fused._fc1_kernel, "fc1", {"GATHER": True, "HAS_BIAS": True, "SAVE_PRE": True, "ACT": 0, "GLU": 0},
+        ("fc1", scattered._fc1_kernel, "fc1", {"GATHER": True, "HAS_BIAS": True, "SAVE_PRE": True, "ACT": 0, "GLU": 0},
          {**common, "in_features": dim, "hidden": hidden, "stride_x": dim, "stride_we": hidden * dim,
           "stride_wn": dim, "stride_be": hidden, "stride_pre": hidden, "stride_h": hidden}),
-        ("fc1 swiglu", fused._fc1_kernel, "fc1", {"GATHER": True, "HAS_BIAS": False, "SAVE_PRE": True, "ACT": 1,
+        ("fc1 swiglu", scattered._fc1_kernel, "fc1", {"GATHER": True, "HAS_BIAS": False, "SAVE_PRE": True, "ACT": 1,
                                                   "GLU": 1},
          {**common, "in_features": dim, "hidden": hidden, "stride_x": dim, "stride_we": 2 * hidden * dim,
           "stride_wn": dim, "stride_be": 0, "stride_pre": 2 * hidden, "stride_h": hidden}),
-        ("fc2", fused._rows_kernel, "fc2", {"SCATTER": True, "HAS_BIAS": True, "HAS_GATE": True},
+        ("fc2", scattered._rows_kernel, "fc2", {"SCATTER": True, "HAS_BIAS": True, "HAS_GATE": True},
          {**common, "in_features": hidden, "out_features": dim, "stride_a": hidden, "stride_we": dim * hidden,
           "stride_wn": hidden, "stride_wk": 1, "stride_be": dim, "stride_out": dim}),
-        ("fc2 backward", fused._fc2_backward_kernel, "fc2_backward", {"GATHER": True, "HAS_GATE": True, "ACT": 0,
+        ("fc2 backward", scattered._fc2_backward_kernel, "fc2_backward", {"GATHER": True, "HAS_GATE": True, "ACT": 0,
                                                                       "GLU": 0},
          {**common, "out_features": dim, "hidden": hidden, "stride_dy": dim, "stride_we": dim * hidden,
           "stride_wk": hidden, "stride_pre": hidden, "stride_dpre": hidden, "stride_dgate": hidden // 128}),
-        ("fc2 backward swiglu", fused._fc2_backward_kernel, "fc2_backward", {"GATHER": True, "HAS_GATE": True,
+        ("fc2 backward swiglu", scattered._fc2_backward_kernel, "fc2_backward", {"GATHER": True, "HAS_GATE": True,
                                                                              "ACT": 1, "GLU": 1},
          {**common, "out_features": dim, "hidden": hidden, "stride_dy": dim, "stride_we": dim * hidden,
           "stride_wk": hidden, "stride_pre": 2 * hidden, "stride_dpre": 2 * hidden, "stride_dgate": hidden // 128}),
-        ("fc1 backward", fused._rows_kernel, "fc1_backward", {"SCATTER": True, "HAS_BIAS": False, "HAS_GATE": False},
+        ("fc1 backward", scattered._rows_kernel, "fc1_backward",
+         {"SCATTER": True, "HAS_BIAS": False, "HAS_GATE": False},
          {**common, "in_features": hidden, "out_features": dim, "stride_a": hidden, "stride_we": hidden * dim,
           "stride_wn": 1, "stride_wk": dim, "stride_be": 0, "stride_out": dim}),
-        ("fc1, flags off", fused._fc1_kernel, "fc1", {"GATHER": False, "HAS_BIAS": False, "SAVE_PRE": False,
+        ("fc1, flags off", scattered._fc1_kernel, "fc1", {"GATHER": False, "HAS_BIAS": False, "SAVE_PRE": False,
                                                       "ACT": 1, "GLU": 0},
          {**common, "top_k": 1, "in_features": dim, "hidden": hidden, "stride_x": dim, "stride_we": hidden * dim,
           "stride_wn": dim, "stride_be": 0, "stride_pre": hidden, "stride_h": hidden}),
-        ("fc2, flags off", fused._rows_kernel, "fc2", {"SCATTER": False, "HAS_BIAS": False, "HAS_GATE": False},
+        ("fc2, flags off", scattered._rows_kernel, "fc2", {"SCATTER": False, "HAS_BIAS": False, "HAS_GATE": False},
          {**common, "in_features": hidden, "out_features": dim, "stride_a": hidden, "stride_we": dim * hidden,
           "stride_wn": hidden, "stride_wk": 1, "stride_be": 0, "stride_out": dim}),
-        ("fc2 backward, flags off", fused._fc2_backward_kernel, "fc2_backward",
+        ("fc2 backward, flags off", scattered._fc2_backward_kernel, "fc2_backward",
          {"GATHER": False, "HAS_GATE": False, "ACT": 1, "GLU": 2},
          {**common, "top_k": 1, "out_features": dim, "hidden": hidden, "stride_dy": dim, "stride_we": dim * hidden,
           "stride_wk": hidden, "stride_pre": 2 * hidden, "stride_dpre": 2 * hidden, "stride_dgate": 0}),
-        ("outer, flags off", fused._outer_kernel, "outer",
+        ("outer, flags off", scattered._outer_kernel, "outer",
          {"A_GATHER": False, "B_GATHER": False, "SCALE_A": False, "BIAS_GRAD": False},
          {"a_div": 1, "b_div": 1, "m_size": dim, "n_size": hidden, "stride_a": dim, "stride_b": hidden,
           "stride_oe": dim * hidden, "stride_om": hidden, "stride_bias": 0}),
-        ("outer (fp32 weight gradients)", fused._outer_kernel, "outer",
+        ("outer (fp32 weight gradients)", scattered._outer_kernel, "outer",
          {"A_GATHER": True, "B_GATHER": False, "SCALE_A": True, "BIAS_GRAD": True},
          {"a_div": top_k, "b_div": 1, "m_size": dim, "n_size": hidden, "stride_a": dim, "stride_b": hidden,
           "stride_oe": dim * hidden, "stride_om": hidden, "stride_bias": dim}),
@@ -98,7 +99,7 @@ def launches(dim: int = 768, hidden: int = 3072, experts: int = 8, top_k: int = 
 
 
 def bias_act_launches(hidden: int, experts: int, rows: int) -> list:
-    """The grouped step's `bias_act` kernels (`layers/bias_act.py`), forward and backward, GELU and SwiGLU."""
+    """The grouped step's `bias_act` kernels (`layers/kernels/bias_act.py`), forward and backward, GELU and SwiGLU."""
     found = []
     for label, act, glu in (("gelu", 0, 0), ("swiglu", 1, 1)):
         wide = hidden * (2 if glu else 1)
@@ -111,40 +112,40 @@ def bias_act_launches(hidden: int, experts: int, rows: int) -> list:
 
 
 def route_launches(dim: int, experts: int, top_k: int, tokens: int) -> list:
-    """The routing and combine kernels (`layers/route_kernels.py`) as `launch_*` configures them: the softmax and
+    """The routing and combine kernels (`layers/kernels/pairs.py`) as `launch_*` configures them: the softmax and
     top k of the router's logits and its backward, the two kernels of the pairs' sort, and the combine of bf16
     expert outputs with fp32 gates and bias, forward and backward."""
-    rows, softmax = tokens * top_k, route_kernels.softmax_topk_config(experts)
-    route = {name: value for name, value in route_kernels.ROUTE_CONFIG.items() if name != "BLOCK_B"}
+    rows, softmax = tokens * top_k, pairs.softmax_topk_config(experts)
+    route = {name: value for name, value in pairs.PAIRS_CONFIG.items() if name != "BLOCK_B"}
     sizes = {"rows": tokens, "num_experts": experts, "top_k": top_k}
     combine = {"items": tokens, "columns": dim, "top_k": top_k, "stride_out": dim, "stride_bias": dim}
     return [
-        ("softmax top-k", route_kernels._softmax_topk_kernel, softmax, {}, sizes),
-        ("softmax top-k backward", route_kernels._softmax_topk_backward_kernel, softmax,
+        ("softmax top-k", pairs._softmax_topk_kernel, softmax, {}, sizes),
+        ("softmax top-k backward", pairs._softmax_topk_backward_kernel, softmax,
          {"HAS_GRAD_PROBS": True, "HAS_GRAD_WEIGHTS": True}, sizes),
-        ("softmax top-k backward, weights", route_kernels._softmax_topk_backward_kernel, softmax,
+        ("softmax top-k backward, weights", pairs._softmax_topk_backward_kernel, softmax,
          {"HAS_GRAD_PROBS": False, "HAS_GRAD_WEIGHTS": True}, sizes),
-        ("route histogram", route_kernels._route_histogram_kernel, route, {},
+        ("pairs histogram", pairs._pairs_histogram_kernel, route, {},
          {"choices": rows, "num_experts": experts}),
-        ("route place", route_kernels._route_place_kernel, route,
-         {"BLOCK_B": route_kernels.ROUTE_CONFIG["BLOCK_B"]},
+        ("pairs place", pairs._pairs_place_kernel, route,
+         {"BLOCK_B": pairs.PAIRS_CONFIG["BLOCK_B"]},
          {"choices": rows, "num_experts": experts, "blocks": -(-rows // route["BLOCK_P"]), "top_k": top_k}),
-        ("combine", route_kernels._combine_kernel, route_kernels.COMBINE_CONFIG,
+        ("combine", pairs._combine_kernel, pairs.COMBINE_CONFIG,
          {"HAS_GATES": True, "HAS_BIAS": True}, {**combine, "stride_y": dim}),
-        ("combine, flags off", route_kernels._combine_kernel, route_kernels.COMBINE_CONFIG,
+        ("combine, flags off", pairs._combine_kernel, pairs.COMBINE_CONFIG,
          {"HAS_GATES": False, "HAS_BIAS": False}, {**combine, "stride_y": dim}),
-        ("combine backward", route_kernels._combine_backward_kernel, route_kernels.combine_backward_config(top_k),
+        ("combine backward", pairs._combine_backward_kernel, pairs.combine_backward_config(top_k),
          {"HAS_BIAS": True, "NEED_OUT": True, "NEED_GATES": True},
          {**combine, "stride_grad": dim, "stride_grad_out": dim}),
-        ("combine backward, gates only", route_kernels._combine_backward_kernel,
-         route_kernels.combine_backward_config(top_k), {"HAS_BIAS": False, "NEED_OUT": False, "NEED_GATES": True},
+        ("combine backward, gates only", pairs._combine_backward_kernel,
+         pairs.combine_backward_config(top_k), {"HAS_BIAS": False, "NEED_OUT": False, "NEED_GATES": True},
          {**combine, "stride_grad": dim, "stride_grad_out": dim}),
     ]
 
 
 def _config(config_name: str | dict, dtype: torch.dtype) -> dict:
-    """A kernel's config: `fused`'s by name, or the config itself (`bias_act.CONFIG`)."""
-    return dict(config_name) if isinstance(config_name, dict) else fused._config(config_name, dtype)
+    """A kernel's config: `kernels.scattered`'s by name, or the config itself (`bias_act.CONFIG`)."""
+    return dict(config_name) if isinstance(config_name, dict) else scattered._config(config_name, dtype)
 
 
 def compile_for_hopper(kernel, config_name: str, flags: dict, integers: dict, dtype: torch.dtype = torch.bfloat16):
@@ -154,7 +155,7 @@ def compile_for_hopper(kernel, config_name: str, flags: dict, integers: dict, dt
 
     config = _config(config_name, dtype)
     options = {k: config.pop(k) for k in ("num_warps", "num_stages") if k in config}
-    if kernel is fused._outer_kernel:
+    if kernel is scattered._outer_kernel:
         config.pop("GROUP_M", None)
     element = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
     absent = {name for flag, on in flags.items() if not on for name in ABSENT.get(flag, [])}
@@ -165,7 +166,7 @@ def compile_for_hopper(kernel, config_name: str, flags: dict, integers: dict, dt
     for index, name in enumerate(inspect.signature(kernel.fn).parameters):
         if name in constants:
             signature[name] = "constexpr"
-        elif name in absent:  # `fused._launch` passes an absent pointer as the int 0
+        elif name in absent:  # `kernels.scattered._launch` passes an absent pointer as the int 0
             signature[name] = "i32"
         elif name.endswith("_ptr"):
             fp32 = name in FP32_POINTERS or name in FP32_POINTERS_OF.get(kernel.fn.__name__, ())

@@ -1,5 +1,5 @@
 """Sweep the expert bank alone over rows per expert and how unevenly they are spread: the figures that
-`moespec/layers/dispatch.py`'s CPU rule is fitted on.
+`moespec/layers/steps/rule.py`'s CPU rule is fitted on.
 
     python tools/sweep_dispatch.py [--quick] [--threads N] [--json out.json]
 

@@ -1,14 +1,14 @@
-"""Time the fused step's Triton kernels on a GPU under candidate tile configs, and check the step's bf16 gradients.
+"""Time the triton step's scattered kernels on a GPU under candidate tile configs, and check its bf16 gradients.
 
     python tools/tune_fused.py [--experts 8 32] [--top-k 2] [--tokens 50432] [--repeats 10]
 
 For a top-k layer at ViT-B width (d = 768, expert width 3072, GELU experts with biases, bf16 weights), each
-candidate config is set on every kernel at once (`fused.CONFIGS`); one forward+backward is run `--repeats` times
-and each kernel launch is timed with CUDA events around it (`fused._row_launch`), as are the weight gradients
-(`fused._weight_gradients`: torch's grouped GEMM or the Triton kernel). Printed: the median ms and TFLOP/s of
-each kernel under each config, the best config per kernel, and the relative error of the triton step's output
-and gradients against the grouped_mm step's (the bf16 gate-gradient fault of the first GPU run). A config
-that fails to compile or launch is reported and skipped.
+candidate config is set on every kernel at once (`kernels.scattered.CONFIGS`); one forward+backward is run
+`--repeats` times and each kernel launch is timed with CUDA events around it (`kernels.scattered._row_launch`),
+as are the weight gradients (`ops.scattered._weight_gradients`: torch's grouped GEMM or the Triton kernel).
+Printed: the median ms and TFLOP/s of each kernel under each config, the best config per kernel, and the relative
+error of the triton step's output and gradients against the grouped_mm step's (the bf16 gate-gradient fault of
+the first GPU run). A config that fails to compile or launch is reported and skipped.
 """
 
 from __future__ import annotations
@@ -24,9 +24,10 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from moespec.layers import fused  # noqa: E402
 from moespec.layers.experts import Experts  # noqa: E402
+from moespec.layers.kernels import scattered as kernels  # noqa: E402
 from moespec.layers.moe import MoE  # noqa: E402
+from moespec.layers.ops import scattered  # noqa: E402
 from moespec.layers.routers import LinearGate, TopKRouter  # noqa: E402
 from moespec.layers.steps import set_expert_step  # noqa: E402
 
@@ -49,11 +50,11 @@ def label(candidate) -> str:
 
 
 class Timer:
-    """CUDA events around each launch of `fused._row_launch` (by config name) and `fused._weight_gradients`."""
+    """CUDA events around each launch of `kernels._row_launch` (by config name) and `scattered._weight_gradients`."""
 
     def __init__(self):
         self.events: dict[str, list] = {}
-        self.row_launch, self.weight_gradients = fused._row_launch, fused._weight_gradients
+        self.row_launch, self.weight_gradients = kernels._row_launch, scattered._weight_gradients
 
     def __enter__(self):
         def row_launch(kernel, name, *args, **flags):
@@ -62,11 +63,11 @@ class Timer:
         def weight_gradients(*args):
             return self._timed("weight_gradients", self.weight_gradients, *args)
 
-        fused._row_launch, fused._weight_gradients = row_launch, weight_gradients
+        kernels._row_launch, scattered._weight_gradients = row_launch, weight_gradients
         return self
 
     def __exit__(self, *exc):
-        fused._row_launch, fused._weight_gradients = self.row_launch, self.weight_gradients
+        kernels._row_launch, scattered._weight_gradients = self.row_launch, self.weight_gradients
 
     def _timed(self, name, fn, *args, **kwargs):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -142,7 +143,7 @@ def main() -> None:
     rows = args.tokens * args.top_k
     flops = {name: 2 * rows * dim * hidden for name in KERNELS}
     flops["weight_gradients"] = 2 * 2 * rows * dim * hidden
-    default = {name: dict(fused.CONFIGS[name]) for name in KERNELS}
+    default = {name: dict(kernels.CONFIGS[name]) for name in KERNELS}
     best: dict[tuple, dict[str, float]] = {}
     for experts in args.experts:
         moe = layer(experts, args.top_k, dim, hidden).cuda().to(torch.bfloat16).train()
@@ -153,7 +154,7 @@ def main() -> None:
         print(f"{'config':22s} " + " ".join(f"{n:>17s}" for n in (*KERNELS, "weight_gradients")) + "  compile s")
         for candidate in [None, *candidates]:
             for name in KERNELS:
-                fused.CONFIGS[name] = dict(default[name]) if candidate is None else config_of(candidate)
+                kernels.CONFIGS[name] = dict(default[name]) if candidate is None else config_of(candidate)
             try:
                 start = time.perf_counter()
                 train_step(moe, x, upstream)
@@ -177,7 +178,7 @@ def main() -> None:
             print(f"{label(candidate) if candidate else 'default':22s} " + " ".join(f"{c:>17s}" for c in cells)
                   + f"  {compile_s:6.1f}", flush=True)
         for name in KERNELS:
-            fused.CONFIGS[name] = default[name]
+            kernels.CONFIGS[name] = default[name]
     print("\nbest per kernel:")
     for (experts, name), row in sorted(best.items()):
         print(f"  E={experts:3d} {name:14s} {row['config']:22s} {row['ms']:7.3f} ms {row['tflops']:5.0f} TFLOP/s")

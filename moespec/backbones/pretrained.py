@@ -2,7 +2,7 @@
 mode; then from the network only when a quick probe reaches it.
 
 Without a network, timm's download through huggingface_hub retried for 52 s and printed 22 lines of retries
-before its error (issue 52). The cache is read with huggingface_hub's offline mode
+before its error. The cache is read with huggingface_hub's offline mode
 (`huggingface_hub.constants.HF_HUB_OFFLINE`, the setting `HF_HUB_OFFLINE=1` makes), and a TCP connection
 to the host the weights come from (or to the proxy in the environment) says whether a download can start.
 """

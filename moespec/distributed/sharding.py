@@ -1,7 +1,7 @@
 """Spreading a compiled model's experts over the ranks of a process group, in place.
 
 After `shard_experts(model)`, rank r of W holds experts [r * E/W, (r+1) * E/W) of every MoE layer (an
-bank's stacked parameters sliced, and its rows sent over the ranks by its transport, `layers/transport.py`; the
+bank's stacked parameters sliced, and its rows sent over the ranks by its transport, `layers/steps/transport.py`; the
 state-dict names stay). Everything else stays
 replicated: wrap the model in DistributedDataParallel as usual, which leaves the expert parameters out (they
 differ per rank; averaging them would mix different experts). Their gradients are divided by W as they are
@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..compiler import moe_layers
 from ..errors import MoespecError
-from ..layers.transport import shard_bank, sharded_banks
+from ..layers.steps.transport import shard_bank, sharded_banks
 from ..planning.ranks import uneven_experts
 
 

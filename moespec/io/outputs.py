@@ -1,6 +1,6 @@
 """The checks of an output a command makes before any work, free of torch: `moespec compile -o x.safetensors`
 refuses an existing output ("already exists; pass --force") or a bad --max-shard-size in a fraction of a
-second, before the seconds of importing torch and timm (issue 52: 26 s)."""
+second, before the seconds of importing torch and timm (26 s on a cold start)."""
 
 from __future__ import annotations
 

@@ -3,14 +3,14 @@
     fc1 -> [norm] -> act -> dropout -> [norm | grn] -> fc2 -> dropout        (plain FFN, timm's order)
     fc1 -> split (a, b) -> act(a) * b  or  a * act(b) -> [norm] -> ... -> fc2  (gated, GLU / SwiGLU)
 
-Weights are stacked (`fc1.weight: [E, H, C]`) and only ever used through batched ops (`ExpertLinear`,
-`SegmentGraphs`, in `expert_autograd.py`), whose backward writes one stacked gradient in the weights' layout
-(indexing `weight[e]` per expert would allocate a full-size gradient per expert). Routing hands the bank one
-description of its rows (`rows.RoutedRows`: each row's item and gate, the experts' segments, the rows a capacity
-dropped, each item's k rows); the bank's `transport` takes them to the ranks that hold their experts (this bank in
-one process, `transport.py`), and an expert step runs them, all steps the same function (their table:
-`steps/`); `steps.set_expert_step` forces one, and "auto" (the default) takes the one `dispatch.auto_step` picks
-for the device, dtype, sizes, counts and whether autograd records the forward:
+Weights are stacked (`fc1.weight: [E, H, C]`) and only ever used through batched ops (`ops/expert_autograd.py`),
+whose backward writes one stacked gradient in the weights' layout (indexing `weight[e]` per expert would allocate
+a full-size gradient per expert). Routing hands the bank one description of its rows (`steps.rows.RoutedRows`:
+each row's item and gate, the experts' segments, the rows a capacity dropped, each item's k rows, and how the call
+runs); the bank's `transport` takes them to the ranks that hold their experts (this bank in one process,
+`steps/transport.py`), and an expert step runs them, all steps the same function (their table: `steps/`).
+`steps.choose` picks the step once per call: the one `steps.set_expert_step` forced, or under "auto" (the
+default) the rule's (`steps/rule.py`) for the call's mode, the dtype, sizes and counts:
 
     grouped_mm  `F.grouped_mm` over the jagged segments, no host sync
     padded      rows scattered into [E, max count, C] and two `bmm`s
@@ -18,32 +18,34 @@ for the device, dtype, sizes, counts and whether autograd records the forward:
                 (under autograd, a small graph per segment); the only step for GRN experts
     triton      forced only (never "auto": slower than grouped_mm in training on an H200, docs/gpu.md): Triton
                 kernels that gather the rows in fc1's loads and put the bias, activation and gate in the
-                epilogues, no host sync (`fused.py`); with `combine`'s `position`, the gather and the combine
-                are fused too. Plain or GLU experts with
-                GELU or SiLU, no inner norm, no dropout while training; on a GPU, or on CPU under
-                TRITON_INTERPRET=1. Where it cannot run, forcing it raises, saying why, rather than run another
-                step. (As for every forced step, Soft MoE's equal segments take their two `bmm` on the sync-free
-                path.)
+                epilogues, no host sync (`ops/scattered.py`); with `combine`'s `position`, the gather and the
+                combine are in the kernels too. Plain or GLU experts with GELU or SiLU, no inner norm, no dropout
+                while training; on a GPU, or on CPU under TRITON_INTERPRET=1. Where it cannot run, forcing it
+                raises, saying why, rather than run another step. (As for every forced step, Soft MoE's equal
+                segments take their two `bmm` on the sync-free path.)
+
+The steps use the bank through its declared surface (`steps.bank.ExpertBank`): `params`, `ffn`, `stacked`,
+`run_local`, `run_slots`, `step_combines` and a few attributes.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Literal, Sequence
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .dispatch import auto_step, equal_segments_step, sync_free
-from .expert_autograd import ExpertLinear
+from .ops.activations import GluOrder
+from .ops.expert_autograd import ExpertLinear
+from .ops.mode import Mode
 from .routing import at_least_fp32
-from .rows import RoutedRows, Segments
-from .steps import STEPS, ChoosesStep
+from .steps import STEPS, ChoosesStep, choose
 from .steps.base import combined, gathered
-from .transport import LOCAL
+from .steps.rows import RoutedRows, Segments
+from .steps.transport import LOCAL
 
-GluOrder = Literal["act_first", "act_last"]  # act(a) * b (SwiGLU)  |  a * act(b) (timm GluMlp default)
 InnerNorm = Literal["none", "layernorm", "layernorm_before_act", "grn"]
 
 
@@ -124,7 +126,7 @@ class Experts(ChoosesStep, nn.Module):
         self.fc2 = StackedLinear(num_experts, hidden, out_features, bias=bias[1])
         self.register_buffer("clamp", torch.empty(3, 4) if clamped else None)
         self.step = "auto"  # the expert step: "auto" (the rule) or one forced by `steps.set_expert_step`
-        self.transport = LOCAL  # where the rows go: this bank (`transport.Local`), or over ranks (`AllToAll`)
+        self.transport = LOCAL  # where the rows go: this bank (`steps.transport.Local`), or over ranks (`AllToAll`)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -157,58 +159,54 @@ class Experts(ChoosesStep, nn.Module):
         norm = 5 * self.hidden if self.inner_norm in ("layernorm", "layernorm_before_act") else 0
         return self.fc1.in_features * self.fc1.out_features + self.fc2.in_features * self.fc2.out_features + norm
 
+    @property
+    def widths(self) -> tuple[int, ...]:
+        """Every row width the FFN's matmuls read: C, fc1's outputs, H, C' (grouped_mm needs 16-byte strides)."""
+        return self.in_features, self.fc1.out_features, self.hidden, self.out_features
+
+    @property
+    def clamped(self) -> bool:
+        """Whether the projections clamp their inputs and outputs (`clamp`)."""
+        return self.clamp is not None
+
+    @property
+    def weight_dtype(self) -> torch.dtype:
+        return self.fc1.weight.dtype
+
     def forward(self, x: torch.Tensor, counts: torch.Tensor, groups: torch.Tensor | None = None, *,
-                dropped: bool = False) -> torch.Tensor:
+                dropped: bool = False, mode: Mode | None = None) -> torch.Tensor:
         """Run expert e on rows `x[offset_e : offset_e + counts[e]]`.
 
         Args:
             x: [S, C] routed items sorted by expert.
             counts: [E] items per expert (summing to S, or less where `dropped`), on x's device.
             groups: [S] image index of each row; needed only by the "grn" inner norm.
-            dropped: rows past sum(counts) follow (pairs a capacity dropped: `rows.Segments`); their outputs
+            dropped: rows past sum(counts) follow (pairs a capacity dropped: `steps.rows.Segments`); their outputs
                 are 0.
+            mode: how the layer call runs (`ops.mode.Mode`); None: a call that starts here.
         Returns:
             [S, C'] expert outputs in the same order.
         """
-        return self.transport.run(self, x, Segments(counts, dropped), groups)
+        mode = mode if mode is not None else Mode.of(x, self)
+        return self.transport.run(self, x, Segments(counts, dropped), groups, mode)
 
-    def run_local(self, x: torch.Tensor, segments: Segments, groups: torch.Tensor | None,
+    def run_local(self, x: torch.Tensor, segments: Segments, groups: torch.Tensor | None, mode: Mode,
                   step: str | None = None) -> torch.Tensor:
-        """Rows x [S, C] sorted by this bank's own experts through `step` (None: the one `strategy` picks for
+        """Rows x [S, C] sorted by this bank's own experts through `step` (None: the one `steps.choose` picks for
         them), a step of the table (`steps.STEPS`). A step that reads the counts on the host anyway runs the
         segments' rows, and the dropped rows after them get 0."""
-        step = step or self.strategy(x, segments.counts)
+        step = step or choose(self, x.shape[0], x, segments.counts, mode)
         runner = STEPS[step]
         if segments.dropped and not runner.static_shapes:
             kept = segments.kept(x.shape[0])
-            out = runner.run(self, x[:kept], Segments(segments.counts), groups[:kept] if groups is not None else None)
+            out = runner.run(self, x[:kept], Segments(segments.counts), groups[:kept] if groups is not None else None,
+                             mode)
             return torch.cat([out, out.new_zeros(x.shape[0] - kept, out.shape[-1])])
-        return runner.run(self, x, segments, groups)
+        return runner.run(self, x, segments, groups, mode)
 
     def strategy(self, x: torch.Tensor, counts: torch.Tensor) -> str:
-        """The expert step for rows `x` (`counts` per expert): `step` unless "auto", else `auto_step`'s pick
-        for a forward that autograd records or not (GRN: the loop). The one chooser: a layer call asks it once
-        (`combine`), or once for the rows it receives from other ranks (`transport`)."""
-        return self._step(x.shape[0], x, counts)
-
-    def _step(self, rows: int, like: torch.Tensor, counts: torch.Tensor, equal: bool = False) -> str:
-        """`strategy` for `rows` rows of `like`'s dtype and device (`like` requiring grad or not); `equal`:
-        segments of one length (Soft MoE's slots), which `dispatch.equal_segments_step` picks for."""
-        if self.step != "auto":
-            why = STEPS[self.step].unavailable(self, like)
-            if why is not None:
-                raise RuntimeError(f"the expert step {self.step!r} cannot run: {why}")
-        if self.step == "triton":
-            return "triton"
-        if self.needs_groups:
-            return "loop"
-        if self.step != "auto":
-            return self.step
-        if equal:
-            return equal_segments_step(rows // max(1, counts.numel()), like.device,
-                                       backward=self._records_graph(like))
-        return auto_step(rows, like.dtype, like.device, counts, self._aligned(like.element_size()),
-                         backward=self._records_graph(like))
+        """The expert step `steps.choose` picks for rows `x` (`counts` per expert) in a call that starts here."""
+        return choose(self, x.shape[0], x, counts, Mode.of(x, self))
 
     def combine(self, items: torch.Tensor, rows: RoutedRows, groups: torch.Tensor | None = None) -> torch.Tensor:
         """The routed experts' part of an MoE layer: y[t] = sum over the rows r of item t of
@@ -216,90 +214,77 @@ class Experts(ChoosesStep, nn.Module):
 
         Args:
             items: [T, C] the layer's items.
-            rows: the routed rows (`rows.RoutedRows`): each row's item and gate, the experts' segments, and
-                each item's k rows where known.
+            rows: the routed rows (`steps.rows.RoutedRows`): each row's item and gate, the experts' segments, each
+                item's k rows where known, and how the layer call runs (`mode`).
             groups: [T] image index of each item; needed only by the "grn" inner norm.
         Returns:
             [T, C'].
 
         The step is chosen once, here, and its own `combine` runs where it has one: on the sync-free path with
-        `position`, the grouped (or forced triton) step with its gather and combine fused; where autograd records
-        nothing, the loop, each expert's segment gathered, run and scaled in turn while it is in cache.
-        Otherwise the bank gathers every row, the transport runs the step on them (on the ranks that hold their
-        experts, under expert parallelism), and each item gathers and sums its rows' scaled outputs.
+        `position`, the grouped (or forced triton) step with its gather and combine around its matmuls; where
+        autograd records nothing, the loop, each expert's segment gathered, run and scaled in turn while it is in
+        cache. Otherwise the bank gathers every row, the transport runs the step on them (on the ranks that hold
+        their experts, under expert parallelism), and each item gathers and sums its rows' scaled outputs.
         """
-        step = self._step(rows.item.shape[0], items, rows.counts)
-        fused = STEPS[step].combine(self, items, rows, groups)
-        if fused is not None:
-            return fused
+        step = choose(self, rows.item.shape[0], items, rows.counts, rows.mode)
+        out = STEPS[step].combine(self, items, rows, groups)
+        if out is not None:
+            return out
         out = self.transport.run(self, gathered(items, rows), rows.segments,
-                                 groups.index_select(0, rows.item) if groups is not None else None, step)
+                                 groups.index_select(0, rows.item) if groups is not None else None, rows.mode, step)
         return combined(out, rows, items.shape[0])
 
-    def runs_segmentwise(self, items: torch.Tensor) -> bool:
-        """Whether the loop may combine segment by segment (`steps.loop`): autograd records nothing, and the
-        rows stay on this rank (`transport`)."""
-        return self.transport.local and not self._records_graph(items)
-
-    def fuses_pairs(self, position: torch.Tensor | None) -> bool:
-        """Whether a step may fuse the gather and the combine around its matmuls: each item's k rows are known
+    def step_combines(self, rows: RoutedRows) -> bool:
+        """Whether a step may gather and combine the pairs around its matmuls: each item's k rows are known
         (`position`), the rows stay on this rank, and no step of the FFN needs the images or clamps."""
-        return position is not None and self.transport.local and not self.needs_groups and self.clamp is None
+        return rows.position is not None and self.transport.local and not self.needs_groups and self.clamp is None
 
     @property
     def first(self) -> int:
         """The global index of this bank's first expert (0 but under expert parallelism)."""
         return self.transport.first
 
-    def _records_graph(self, x: torch.Tensor) -> bool:
-        """Whether autograd records this forward (a backward may follow): grad mode on, and x or a weight
-        requires grad. Not under a TorchScript trace (fvcore's `FlopCountAnalysis`), which cannot record
-        `SegmentGraphs` (a Function of the bank itself): there the plain ops run, and autograd still records them."""
-        if torch.jit.is_tracing():
-            return False
-        return torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in self.parameters()))
-
-    def _aligned(self, element_size: int) -> bool:
-        """grouped_mm kernels need every row stride to be a multiple of 16 bytes."""
-        widths = (self.in_features, self.fc1.out_features, self.hidden, self.out_features)
-        return all(width * element_size % 16 == 0 for width in widths)
-
-    def batched(self, x: torch.Tensor) -> torch.Tensor:
+    def batched(self, x: torch.Tensor, mode: Mode | None = None) -> torch.Tensor:
         """Expert e on every row of x[e]: x [E, M, C] -> [E, M, C'] (Soft MoE's slots; not for GRN experts),
-        on the ranks that hold the experts (`transport`)."""
-        return self.transport.batched(self, x)
+        on the ranks that hold the experts (`transport`), in a call that runs as `mode` says (None: one that
+        starts here)."""
+        return self.transport.batched(self, x, mode if mode is not None else Mode.of(x, self))
 
-    def _equal_segments(self, x: torch.Tensor) -> torch.Tensor:
+    def run_slots(self, x: torch.Tensor, mode: Mode) -> torch.Tensor:
         """The experts stacked here on x [local_experts, M, C], M rows each, by the forced step or the one
-        `dispatch.equal_segments_step` picks: padded has nothing to pad, so it is two bmm on x itself; the loop
+        `rule.equal_segments_step` picks: padded has nothing to pad, so it is two bmm on x itself; the loop
         on CPU from 128 rows per expert in forward, 512 under autograd. Sync-free (a GPU, export, compile):
         the bmm."""
         experts, rows, dim = x.shape
-        if sync_free(x.device):  # no choice made on the sizes, no host sync
-            return self._stacked(x)
+        if mode.sync_free:  # no choice made on the sizes, no host sync
+            return self.stacked(x, mode)
         flat = x.reshape(experts * rows, dim)
         counts = torch.full((experts,), rows, dtype=torch.long, device=x.device)
-        step = self._step(flat.shape[0], flat, counts, equal=True)
+        step = choose(self, flat.shape[0], flat, counts, mode, equal=True)
         if step == "padded":
-            return self._stacked(x)
-        return self.run_local(flat, Segments(counts), None, step).view(experts, rows, -1)
+            return self.stacked(x, mode)
+        return self.run_local(flat, Segments(counts), None, mode, step).view(experts, rows, -1)
 
-    def _stacked(self, x: torch.Tensor) -> torch.Tensor:
-        """The experts stacked here (`local_experts`) on x [local_experts, M, C]."""
-        w1, b1, norm_w, norm_b, w2, b2 = self._param_list()
+    def stacked(self, x: torch.Tensor, mode: Mode) -> torch.Tensor:
+        """The experts stacked here (`local_experts`) on x [local_experts, M, C], as batched matmuls."""
+        w1, b1, norm_w, norm_b, w2, b2 = self.params()
         norm = [p.unsqueeze(1) if p is not None else None for p in (norm_w, norm_b)]  # [E, 1, H]: per row
-        return self._expert(x, [w1, b1, *norm, w2, b2], None)
+
+        def linear(h, weight, bias):  # every expert at once
+            return ExpertLinear.apply(h, weight, bias, None, None, False, mode.sync_free, mode.traced)
+
+        return self.ffn(x, [w1, b1, *norm, w2, b2], None, linear=linear)
 
     def forward_all(self, x: torch.Tensor, groups: torch.Tensor | None = None) -> torch.Tensor:
         """Every expert on every row, summed: the always-active shared experts. x: [T, C] -> [T, C']."""
-        params = [self._unbind(p) for p in self._param_list()]
+        params = [p.unbind(0) if p is not None else None for p in self.params()]
         out = None
         for expert in range(self.num_experts):
-            y = self._expert(x, [p[expert] if p is not None else None for p in params], groups)
+            y = self.ffn(x, [p[expert] if p is not None else None for p in params], groups)
             out = y if out is None else out + y
         return out
 
-    def _param_list(self) -> list[torch.Tensor | None]:
+    def params(self) -> list[torch.Tensor | None]:
         """fc1's weight and bias, the inner norm's, fc2's (None where absent), as the transport hands them to the
         steps (under expert parallelism, with their gradients scaled: `transport.AllToAll.parameters`)."""
         norm = self.norm
@@ -312,17 +297,13 @@ class Experts(ChoosesStep, nn.Module):
             self.fc2.bias,
         ])
 
-    @staticmethod
-    def _unbind(p: torch.Tensor | None) -> Sequence[torch.Tensor] | None:
-        return p.unbind(0) if p is not None else None
-
-    def _expert(self, x: torch.Tensor, params: list, groups: torch.Tensor | None, linear=None,
-                activated=None) -> torch.Tensor:
+    def ffn(self, x: torch.Tensor, params: list, groups: torch.Tensor | None, linear=None,
+            activated=None) -> torch.Tensor:
         """One expert on rows x [S, C] (params of one expert), or every expert on a padded batch [E, M, C]
-        (stacked params, norm params [E, 1, H]); `linear` overrides how fc1 / fc2 are applied, `activated` how
-        fc1 and the activation (with the GLU's gating) are (the grouped step's `bias_act`)."""
+        (stacked params, norm params [E, 1, H], `linear` batched); `linear` overrides how fc1 / fc2 are applied,
+        `activated` how fc1 and the activation (with the GLU's gating) are (the grouped step's `bias_act`)."""
         w1, b1, norm_w, norm_b, w2, b2 = params
-        linear = _linear if linear is None else linear  # not `or`: torch 2.11's Dynamo cannot test a function
+        linear = F.linear if linear is None else linear  # not `or`: torch 2.11's Dynamo cannot test a function
         if activated is not None:
             h = activated(x, w1, b1)
         else:
@@ -365,14 +346,6 @@ def _clamped_linear(linear, x: torch.Tensor, weight: torch.Tensor, bias: torch.T
                     bounds: torch.Tensor) -> torch.Tensor:
     """`linear` with its input clamped to bounds[0:2] and its output to bounds[2:4] (`Experts.clamp`)."""
     return linear(x.clamp(bounds[0], bounds[1]), weight, bias).clamp(bounds[2], bounds[3])
-
-
-def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """F.linear for one expert (weight [H, C]), or a batched linear for all experts (x [E, M, C], weight
-    [E, H, C], bias [E, H])."""
-    if weight.dim() == 2:
-        return F.linear(x, weight, bias)
-    return ExpertLinear.apply(x, weight, bias, None, None)
 
 
 def _layer_norm(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:

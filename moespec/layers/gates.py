@@ -114,7 +114,7 @@ class BalancingBias(nn.Module):
         self.register_buffer("expert_bias", torch.zeros(num_experts))
         # integers: exact at any count, and left alone by `model.to(dtype)` (a bfloat16 count stops at 256)
         self.register_buffer("tokens_per_expert", torch.zeros(num_experts, dtype=torch.long), persistent=False)
-        self.forwards = 0  # training forwards since the last step (`bias_steps.BiasOnStep` warns past a bound)
+        self.forwards = 0  # training forwards since the last step (`balancing.BiasOnStep` warns past a bound)
         self.by_loop = False  # stepped by the loop (`update_bias`), not after each optimizer step (`BIAS_ON_STEP`)
 
     @torch.no_grad()

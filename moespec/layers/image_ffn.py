@@ -19,6 +19,7 @@ from torch import nn
 
 from .interfaces import Router
 from .moe import BACKWARD_SCALE_CHECK, AuxLossAutoScaler, MoE
+from .ops.mode import Mode
 from .routing import AUX_LOSSES
 
 
@@ -59,7 +60,8 @@ class ImageFFNMoE(MoE):
     def forward(self, x: torch.Tensor, *args) -> torch.Tensor:
         x = self.run_pre(x)
         images = x.shape[0]
-        routing = self.router.route(self.gate_input(x), images)
+        vectors = self.gate_input(x)
+        routing = self.router.route(vectors, images, Mode.of(vectors))
         shape = list(x.shape)
         shape[self.channels_dim] = self.out_features
         y = x.new_zeros(shape)

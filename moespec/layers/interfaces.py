@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from .experts import Experts
+from .ops.mode import Mode
 from .routing import Routing
 
 
@@ -24,16 +25,19 @@ class Router(nn.Module):
 
     The MoE layer calls `route`, not the module: module hooks (torchinfo's, fvcore's, a user's) see only
     tensors, and a `Routing` record is no tensor (torchinfo refused every MoE model). Its gate modules are
-    called as modules, so the tools still see and count them. `router(x, images)` is `route` too."""
+    called as modules, so the tools still see and count them. `router(x, images)` is `route` too, in a call
+    that starts there."""
 
     num_experts: int
 
-    def route(self, x: torch.Tensor, images: int = 1) -> Routing:
-        """x: [T, C] items, image after image (T / images each) -> their (item, expert) pairs, grouped by expert."""
+    def route(self, x: torch.Tensor, images: int, mode: Mode) -> Routing:
+        """x: [T, C] items, image after image (T / images each) -> their (item, expert) pairs, grouped by expert,
+        in a layer call that runs as `mode` says (`ops.mode.Mode`: the sync-free path, torch.export, ...), which
+        the Routing carries on (`Routing.mode`)."""
         raise NotImplementedError
 
-    def forward(self, x: torch.Tensor, images: int = 1) -> Routing:
-        return self.route(x, images)
+    def forward(self, x: torch.Tensor, images: int = 1, mode: Mode | None = None) -> Routing:
+        return self.route(x, images, mode if mode is not None else Mode.of(x))
 
     def gate_macs(self, items: int, images: int) -> int:
         """MACs of the routing decision for `items` items in `images` images."""

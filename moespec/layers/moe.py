@@ -23,18 +23,18 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from .bias_steps import BIAS_ON_STEP
+from .balancing import BIAS_ON_STEP
 from .experts import Experts
 from .interfaces import MoELayer, Router
+from .ops.mode import Mode
 from .routing import AUX_LOSSES, Routing, items_per_image
-from .tracing import exporting
 
 
 class MoE(MoELayer):
     """Sparse mixture of experts over the items of a token sequence or feature map.
 
     Args:
-        router: a `Router` (`interfaces.py`), called as router.route(items [T, C], images) -> Routing.
+        router: a `Router` (`interfaces.py`), called as router.route(items [T, C], images, mode) -> Routing.
         experts: the routed `Experts` bank.
         shared: an `Experts` bank of always-active experts, or None.
         channels_dim: where the features are: -1 for [..., C] inputs, 1 for [B, C, H, W].
@@ -73,11 +73,12 @@ class MoE(MoELayer):
         groups = None  # image index per item, only for experts that normalize per image
         if self.experts.needs_groups or (self.shared is not None and self.shared.needs_groups):
             groups = torch.arange(images, device=x.device).repeat_interleave(items_per_image(items.shape[0], images))
-        routing = self.router.route(items, images)
+        mode = Mode.of(items, self.experts)  # how this call runs, decided once: it travels with the routed rows
+        routing = self.router.route(items, images, mode)
         routing.group = self.experts.transport.group  # expert parallel: global aux losses, statistics
         if self.training:
-            BIAS_ON_STEP.on_forward(self)  # a balancing bias moves after the optimizer's step (`bias_steps`)
-        static = exporting()
+            BIAS_ON_STEP.on_forward(self)  # a balancing bias moves after the optimizer's step (`balancing`)
+        static = mode.exporting
         if static:
             y = self._dense_combine(items, routing)
         else:
@@ -128,7 +129,8 @@ class MoE(MoELayer):
         # "Attribute type is ambiguous" once per layer
         combine = items.new_zeros(count * experts).scatter_add(0, routing.item * experts + routing.expert,
                                                                routing.weights).view(count, experts)
-        out = self.experts.batched(items.unsqueeze(0).expand(experts, count, items.shape[1]))  # [E, T, C']
+        every = items.unsqueeze(0).expand(experts, count, items.shape[1])
+        out = self.experts.batched(every, routing.mode)  # [E, T, C']
         return torch.einsum("te,etc->tc", combine, out)
 
     def router_weights(self) -> list[nn.Parameter]:

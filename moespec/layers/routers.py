@@ -19,10 +19,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .dispatch import sync_free
 from .gates import BalancingBias, LinearGate, ProjectedGate  # noqa: F401 (LinearGate, ProjectedGate: re-exported)
 from .interfaces import Router
-from .route_ops import fused_routing, softmax_topk
+from .ops.mode import Mode
+from .ops.pairs import softmax_topk
 from .routing import (
     Groups,
     Routing,
@@ -33,21 +33,21 @@ from .routing import (
     load_counts,
     smooth_load,
 )
-from .tracing import exporting
 
 
 def choose_experts(noisy: torch.Tensor, top_k: int, *, score: str = "softmax", normalize: bool = False,
                    scale: float = 1.0, balance: BalancingBias | None = None,
-                   expert_groups: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   expert_groups: tuple[int, int] | None = None,
+                   pair_ops: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The top-k choice of token choice and image routing, from (noisy) logits [U, E]: the scores (softmax, or
     sigmoid renormalized over the k chosen, DeepSeek-V3), the choice (on the scores plus `balance`'s bias where
     given, within the `expert_groups` (G, g) where given), the chosen scores as weights (renormalized with
     `normalize`, times `scale`). Returns (probs [U, E] for the aux losses, weights [U, k], experts [U, k]);
     sigmoid scores are normalized over the experts for the aux losses, as DeepSeek-V3's sequence-wise loss does.
-    The scores are computed in fp32 (fp64 for fp64 logits); on the sync-free path a plain softmax top-k runs as
-    one op (`route_ops.softmax_topk`)."""
+    The scores are computed in fp32 (fp64 for fp64 logits); with `pair_ops` (the layer's `Mode.pair_ops`: the
+    sync-free path) a plain softmax top-k runs as one op (`ops.pairs.softmax_topk`)."""
     sigmoid = score == "sigmoid"
-    if not sigmoid and balance is None and expert_groups is None and fused_routing(noisy.device):
+    if not sigmoid and balance is None and expert_groups is None and pair_ops:
         probs, weights, experts = softmax_topk(noisy, top_k)  # one op: one kernel on a GPU
         if normalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -102,13 +102,14 @@ class ChoiceRouter(Router):
         """Whether the balancing bias chooses (and counts) in the current mode: in training, where there is one."""
         return self.training and self.balance is not None
 
-    def choose(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """`choose_experts` on `logits` [U, E] with this router's options in the current mode; the bias, where it
-        chooses, counts the choices. Returns (probs, weights, experts)."""
+    def choose(self, logits: torch.Tensor, mode: Mode) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`choose_experts` on `logits` [U, E] with this router's options in the current training mode, in a layer
+        call that runs as `mode` says; the bias, where it chooses, counts the choices. Returns (probs, weights,
+        experts)."""
         balance = self.balance if self.biased() else None
         probs, weights, experts = choose_experts(logits, self.active_top_k(), score=self.score,
                                                  normalize=self.normalize, scale=self.scale, balance=balance,
-                                                 expert_groups=self.expert_groups)
+                                                 expert_groups=self.expert_groups, pair_ops=mode.pair_ops)
         if balance is not None:
             balance.count(experts)
         return probs, weights, experts
@@ -193,22 +194,22 @@ class TopKRouter(ChoiceRouter):
         images = self.group or 1  # `batch` is costed at the stats' batch, one image
         return images, self.num_experts * self.capacity(items * images)
 
-    def route(self, x: torch.Tensor, images: int = 1) -> Routing:
+    def route(self, x: torch.Tensor, images: int, mode: Mode) -> Routing:
         logits = self.gate(x)  # in the gate's dtype: the scores are computed in fp32 (`choose_experts`)
         noisy = logits
         if self.training and self.noise_std > 0:
             logits = at_least_fp32(logits)
             noisy = logits + torch.randn_like(logits) * self.noise_std
         top_k = self.active_top_k()
-        probs, weights, experts = self.choose(noisy)  # eval ignores the bias
+        probs, weights, experts = self.choose(noisy, mode)  # eval ignores the bias
         groups = Groups.of(x.shape[0], images, self.group, self.training)
         dispatched = None
         if self.drop_fraction > 0:  # the lowest top-1 gates of each group
             dropped = groups.per_group([math.floor(self.drop_fraction * n) for n in groups.sizes()], x.device)
-            rank = groups.rank(weights[:, 0], x.device)
+            rank = groups.rank(weights[:, 0], x.device, exporting=mode.exporting)
             dispatched = rank >= dropped[groups.of_item(x.device)]
         capacity = None if self.active_capacity_factor() is None else [self.capacity(n) for n in groups.sizes()]
-        pairs = group_pairs(experts, weights, self.num_experts, priority=weights[:, 0] if self.bpr else None,
+        pairs = group_pairs(experts, weights, self.num_experts, mode, priority=weights[:, 0] if self.bpr else None,
                             capacity=capacity, groups=groups, dispatched=dispatched, dtype=x.dtype)
         noise = self.noise_std if self.training and not self.biased() and self.expert_groups is None else 0.0
         if pairs.ends is not None and noise <= 0:  # every choice is in its expert's segment: the load is the counts
@@ -218,9 +219,8 @@ class TopKRouter(ChoiceRouter):
         else:
             load = smooth_load(logits, noisy, top_k, noise, experts)
         return Routing(probs, logits, pairs.item, pairs.counts, pairs.weights, experts[:, 0], weights[:, 0], load,
-                       pairs.kept, pairs.expert, dropped=pairs.dropped, position=pairs.position, **_choices(pairs,
-                                                                                                            weights,
-                                                                                                            experts))
+                       pairs.kept, pairs.expert, dropped=pairs.dropped, position=pairs.position, mode=mode,
+                       **_choices(pairs, weights, experts))
 
     def extra_repr(self) -> str:
         extras = [("normalize=True", self.normalize), (f"noise_std={self.noise_std:g}", self.noise_std > 0),
@@ -234,7 +234,7 @@ class TopKRouter(ChoiceRouter):
 
 def _choices(pairs, weights: torch.Tensor, experts: torch.Tensor) -> dict:
     """`Routing`'s segment ends and each choice's gate and expert [T, k], where the pairs came from
-    `route_ops.route_pairs` (no capacity, no drop): the combine reads the gates in choice order."""
+    `ops.pairs.sort_pairs` (no capacity, no drop): the combine reads the gates in choice order."""
     if pairs.ends is None:
         return {}
     return {"ends": pairs.ends, "gates": weights, "choices": experts}
@@ -275,18 +275,18 @@ class ImageRouter(ChoiceRouter):
         per_image = x.reshape(images, items_per_image(x.shape[0], images), x.shape[-1])
         return per_image[:, 0] if self.pool == "cls" else per_image.mean(dim=1)
 
-    def route(self, x: torch.Tensor, images: int = 1) -> Routing:
+    def route(self, x: torch.Tensor, images: int, mode: Mode) -> Routing:
         per_image = x.reshape(images, items_per_image(x.shape[0], images), x.shape[-1])
         vectors = self.gate_input(x, images)
         logits = self.gate(vectors)
-        probs, weights, experts = self.choose(logits)  # one choice per image: the bias's loads are images
+        probs, weights, experts = self.choose(logits, mode)  # one choice per image: the bias's loads are images
         tokens = per_image.shape[1]
         token_experts = experts.repeat_interleave(tokens, dim=0)
         token_weights = weights.repeat_interleave(tokens, dim=0)
-        pairs = group_pairs(token_experts, token_weights, self.num_experts, dtype=x.dtype)
+        pairs = group_pairs(token_experts, token_weights, self.num_experts, mode, dtype=x.dtype)
         return Routing(probs, logits, pairs.item, pairs.counts, pairs.weights, experts[:, 0], weights[:, 0],
                        load_counts(experts, self.num_experts), pairs.kept, pairs.expert, position=pairs.position,
-                       **_choices(pairs, token_weights, token_experts))
+                       mode=mode, **_choices(pairs, token_weights, token_experts))
 
     def extra_repr(self) -> str:
         return ", ".join([f"experts={self.num_experts}, top_k={self.top_k}, normalize={self.normalize}, "
@@ -329,7 +329,7 @@ class ExpertChoiceRouter(Router):
         """E * C rows for T items: about c expert passes per item."""
         return self.num_experts * self.capacity(items) / items if items else self.capacity_per_item
 
-    def route(self, x: torch.Tensor, images: int = 1) -> Routing:
+    def route(self, x: torch.Tensor, images: int, mode: Mode) -> Routing:
         logits = at_least_fp32(self.gate(x))
         probs = logits.softmax(dim=-1)
         groups = Groups.of(x.shape[0], images, self.group, self.training)
@@ -346,9 +346,9 @@ class ExpertChoiceRouter(Router):
         if last < full:  # keep only the last group's own C choices
             keep = torch.arange(full, device=x.device) < groups.per_group((full, last), x.device).view(-1, 1)
             keep = keep.expand(experts, count, full).reshape(-1)
-            if exporting():
+            if mode.exporting:
                 values, item = values * keep, item.clamp(max=x.shape[0] - 1)
-            elif sync_free(x.device):  # the choices left out after the segments, with weight 0 (`Routing.dropped`)
+            elif mode.sync_free:  # the choices left out after the segments, with weight 0 (`Routing.dropped`)
                 last = kept_first(keep)
                 item, values, expert = item[last].clamp(max=x.shape[0] - 1), (values * keep)[last], expert[last]
                 keep, dropped = keep[last], True
@@ -358,7 +358,7 @@ class ExpertChoiceRouter(Router):
         kept = kept.index_put_((item,), keep, accumulate=True) if dropped else kept.index_fill_(0, item, 1)
         top1_value, top1 = probs.max(dim=-1)
         return Routing(probs, logits, item, counts, values.to(x.dtype), top1, top1_value,
-                       counts.float(), kept, expert, dropped=dropped)
+                       counts.float(), kept, expert, dropped=dropped, mode=mode)
 
     def extra_repr(self) -> str:
         return f"experts={self.num_experts}, capacity={self.capacity_per_item:g}, group={self.group}"

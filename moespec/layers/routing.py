@@ -10,10 +10,10 @@ from typing import Callable, NamedTuple, Sequence
 import torch
 from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
-from .collectives import all_reduce_sum
-from .route_ops import fused_routing, inverse_permutation, narrow_ids, route_pairs, stable_argsort
-from .rows import RoutedRows, Segments
-from .tracing import exporting
+from .ops.collectives import all_reduce_sum
+from .ops.mode import Mode
+from .ops.pairs import inverse_permutation, narrow_ids, sort_pairs, stable_argsort
+from .steps.rows import RoutedRows, Segments
 
 
 @dataclass
@@ -34,13 +34,14 @@ class Routing:
         group: the process group of an expert-parallel layer (None in one process): aux losses and statistics
             sum over it (`total`), so that they equal one process's on the whole batch.
         dropped: pairs a capacity or a drop left out follow the experts' segments, with weight 0, so that every
-            item keeps its k rows; sum(counts) < P then (`rows.Segments`).
+            item keeps its k rows; sum(counts) < P then (`steps.rows.Segments`).
         position: [T, k] where each item's k choices are among the P = T * k sorted pairs (routing where every
             item makes k choices: token choice and image routing); None elsewhere. With it, the layer gathers
             and combines each item's rows without a scatter (`Experts.combine`).
         ends: [E] int32 end of each expert's segment, where routing computed it; gates: [T, k] the gate of each
             choice and choices: [T, k] its expert, where routing has them in choice order (plain top-k on the
-            sync-free path, `route_ops`): the combine then reads them without a gather (`rows.RoutedRows`).
+            sync-free path, `ops.pairs`): the combine then reads them without a gather (`steps.rows.RoutedRows`).
+        mode: how the layer call runs (`ops.mode.Mode`), which the router was given; the rows carry it on.
     """
 
     probs: torch.Tensor
@@ -59,6 +60,7 @@ class Routing:
     ends: torch.Tensor | None = None
     gates: torch.Tensor | None = None
     choices: torch.Tensor | None = None
+    mode: Mode = Mode()
 
     @property
     def num_experts(self) -> int:
@@ -66,9 +68,9 @@ class Routing:
 
     @property
     def rows(self) -> RoutedRows:
-        """The routed rows as the experts take them (`rows.RoutedRows`)."""
+        """The routed rows as the experts take them (`steps.rows.RoutedRows`)."""
         segments = Segments(self.counts, self.dropped, self.ends, None if self.dropped else self.expert)
-        return RoutedRows(self.item, self.weights, segments, self.position, self.gates, self.choices)
+        return RoutedRows(self.item, self.weights, segments, self.mode, self.position, self.gates, self.choices)
 
     def total(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
         """Each tensor summed over the ranks of `group` (as it is in one process); differentiable."""
@@ -111,14 +113,16 @@ class Groups:
         """[T] group index of each item."""
         return torch.arange(self.total, device=device) // self.items
 
-    def rank(self, key: torch.Tensor | None, device: torch.device, descending: bool = False) -> torch.Tensor:
-        """[T] each item's place in its group: by position, or by `key` [T] (stable)."""
+    def rank(self, key: torch.Tensor | None, device: torch.device, descending: bool = False, *,
+             exporting: bool) -> torch.Tensor:
+        """[T] each item's place in its group: by position, or by `key` [T] (stable; `exporting`: torch.export
+        traces, `ops.pairs.stable_argsort`)."""
         group = self.of_item(device)
         position = torch.arange(self.total, device=device) - group * self.items
         if key is None:
             return position
-        order = stable_argsort(key, descending=descending)
-        order = order[stable_argsort(group[order])]  # by group, then by key
+        order = stable_argsort(key, descending=descending, exporting=exporting)
+        order = order[stable_argsort(group[order], exporting=exporting)]  # by group, then by key
         return torch.empty_like(position).scatter_(0, order, position)  # index_copy_, as ONNX converts it cleanly
 
 
@@ -148,17 +152,17 @@ class Pairs(NamedTuple):
     kept: torch.Tensor  # [T] whether the item is in at least one pair (of non-zero weight, when static)
     dropped: bool = False  # pairs left out follow the segments, with weight 0 (`Routing.dropped`)
     position: torch.Tensor | None = None  # [T, k] sorted place of each choice (not while exporting)
-    ends: torch.Tensor | None = None  # [E] int32 segment ends, where `route_ops.route_pairs` computed them
+    ends: torch.Tensor | None = None  # [E] int32 segment ends, where `ops.pairs.sort_pairs` computed them
 
 
-def group_pairs(experts: torch.Tensor, weights: torch.Tensor, num_experts: int, *,
+def group_pairs(experts: torch.Tensor, weights: torch.Tensor, num_experts: int, mode: Mode, *,
                 priority: torch.Tensor | None = None, capacity: Sequence[int] | None = None,
                 groups: Groups | None = None, dispatched: torch.Tensor | None = None,
                 dtype: torch.dtype | None = None) -> Pairs:
-    """Group the choices `experts` [T, k] (gate values `weights` [T, k]) by expert; the pairs' weights in `dtype`
-    (None: the weights').
+    """Group the choices `experts` [T, k] (gate values `weights` [T, k]) by expert, in a layer call that runs as
+    `mode` says; the pairs' weights in `dtype` (None: the weights').
 
-    Without a capacity or a drop, on the sync-free path, one op does it all (`route_ops.route_pairs`).
+    Without a capacity or a drop, on the sync-free path, one op does it all (`ops.pairs.sort_pairs`).
 
     Only the items where `dispatched` [T] is true take part (None: all). With a `capacity` (a full routing
     group's and the last group's, as `Groups.sizes`), each expert keeps, in each group, its first C pairs in
@@ -166,15 +170,15 @@ def group_pairs(experts: torch.Tensor, weights: torch.Tensor, num_experts: int, 
     (BPR).
 
     The pairs left out stay, with weight 0, after the experts' segments (`dropped`), so that every item keeps
-    its k rows (`position`: the layer combines by gathers) and, on the sync-free path (`dispatch.sync_free`: a
+    its k rows (`position`: the layer combines by gathers) and, on the sync-free path (`Mode.sync_free`: a
     GPU, torch.compile), no shape depends on the data. While `torch.export` traces (`static`), every one of the
     T * k choices stays in its expert's segment with weight 0 if dropped; the MoE layer then combines densely.
     """
-    static = exporting()
+    static = mode.exporting
     tokens, top_k = experts.shape
     dtype = dtype or weights.dtype
-    if capacity is None and dispatched is None and fused_routing(experts.device):
-        item, expert, pair_weights, counts, ends, position = route_pairs(experts, weights, num_experts, dtype)
+    if capacity is None and dispatched is None and mode.pair_ops:
+        item, expert, pair_weights, counts, ends, position = sort_pairs(experts, weights, num_experts, dtype)
         kept = torch.ones(tokens, dtype=torch.bool, device=experts.device)  # every item makes k >= 1 choices
         return Pairs(item, counts, pair_weights, expert, kept, position=position, ends=ends)
     flat = experts.reshape(-1)
@@ -183,11 +187,11 @@ def group_pairs(experts: torch.Tensor, weights: torch.Tensor, num_experts: int, 
         flat = torch.where(dispatched.repeat_interleave(top_k), flat, num_experts)
     buckets = num_experts + 1
     if capacity is None:
-        order = stable_argsort(narrow_ids(flat, buckets))
+        order = stable_argsort(narrow_ids(flat, buckets, exporting=static), exporting=static)
         bucket = flat
     else:  # buckets (expert, group), expert-major, so that the pairs come out grouped by expert
         groups = groups or Groups(1, tokens, tokens)
-        rank = groups.rank(priority, device, descending=True).repeat_interleave(top_k)
+        rank = groups.rank(priority, device, descending=True, exporting=static).repeat_interleave(top_k)
         slot = torch.arange(top_k, device=device).repeat(tokens)
         bucket = flat * groups.count + groups.of_item(device).repeat_interleave(top_k)
         order = torch.argsort((bucket * top_k + slot) * groups.items + rank)
@@ -222,8 +226,8 @@ def group_pairs(experts: torch.Tensor, weights: torch.Tensor, num_experts: int, 
 
 def kept_first(keep: torch.Tensor) -> torch.Tensor:
     """The order that puts the kept entries of `keep` [P] first and the left-out ones last, each in their order
-    (a stable sort: pairs grouped by expert stay so)."""
-    return stable_argsort((~keep).to(torch.uint8))
+    (a stable sort: pairs grouped by expert stay so). Never while exporting, where every pair stays in place."""
+    return stable_argsort((~keep).to(torch.uint8), exporting=False)
 
 
 def _covered(item: torch.Tensor, tokens: int) -> torch.Tensor:

@@ -33,10 +33,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .collectives import all_reduce_sum
 from .experts import Experts
 from .interfaces import MoELayer
-from .tracing import exporting
+from .ops.collectives import all_reduce_sum
+from .ops.mode import Mode
 
 
 class SoftMoE(MoELayer):
@@ -82,6 +82,7 @@ class SoftMoE(MoELayer):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.run_pre(x)
+        mode = Mode.of(x, self.experts, self.phi, self.scale)  # how this call runs, decided once
         channels_last = x if self.channels_dim in (-1, x.dim() - 1) else x.movedim(self.channels_dim, -1)
         images, dim = x.shape[0], channels_last.shape[-1]
         tokens = channels_last.reshape(images, math.prod(channels_last.shape[1:-1]), dim)  # [B, N, C], B may be 0
@@ -92,15 +93,15 @@ class SoftMoE(MoELayer):
         if self.experts.needs_groups:  # GRN normalizes over each image's slots of an expert
             groups = torch.arange(images, device=x.device).repeat_interleave(p).repeat(experts)
             counts = torch.full((experts,), images * p, device=x.device)
-            out = self.experts(rows.reshape(-1, dim), counts, groups)
+            out = self.experts(rows.reshape(-1, dim), counts, groups, mode=mode)
         else:
-            out = self.experts.batched(rows)  # every expert has the same number of slots: nothing to pad
+            out = self.experts.batched(rows, mode)  # every expert has the same number of slots: nothing to pad
         width = out.shape[-1]
         slot_outputs = out.reshape(experts, images, p, width).transpose(0, 1).reshape(images, self.slots, width)
         y = torch.einsum("bns,bsc->bnc", combine, slot_outputs)
         if self.shared is not None:
             y = y + self.shared.forward_all(tokens.reshape(-1, dim)).reshape(images, tokens.shape[1], y.shape[-1])
-        if not exporting():  # an exported graph is a pure function: no routing state
+        if not mode.exporting:  # an exported graph is a pure function: no routing state
             self.last_dispatch, self.last_combine = dispatch, combine
             self.last_items, self.last_images = images * tokens.shape[1], images
         y = y.reshape(*channels_last.shape[:-1], y.shape[-1])

@@ -1,5 +1,5 @@
 """`moespec plan`'s table, rendered with rich and free of torch: a plan from a warm cache prints without
-importing torch, timm or fvcore (issue 52: 13 s and 850 MB for `plan` with a warm cache)."""
+importing torch, timm or fvcore (they took 13 s and 850 MB for `plan` with a warm cache)."""
 
 from __future__ import annotations
 

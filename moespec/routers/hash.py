@@ -17,8 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..layers import Router, Routing
-from ..layers.routing import items_per_image, stable_argsort
+from ..layers import Mode, Router, Routing
+from ..layers.ops.pairs import stable_argsort
+from ..layers.routing import items_per_image
 from ..spec.fields import IntRange
 from ..spec.registry import RouterSpec, register_router_kind
 from .gates import TOKENS, sparse_moe
@@ -67,17 +68,18 @@ class HashRouter(Router):
     def experts_per_item(self, items: int, images: int) -> float:
         return 1
 
-    def route(self, x: torch.Tensor, images: int = 1) -> Routing:
+    def route(self, x: torch.Tensor, images: int, mode: Mode) -> Routing:
         """x: [T, C] items, image after image -> a Routing with one (item, expert) pair per item."""
         experts = self.table(items_per_image(x.shape[0], images), x.device).repeat(images)  # [T]
-        item = stable_argsort(experts)  # pairs grouped by expert, in item order within each
+        item = stable_argsort(experts, exporting=mode.exporting)  # pairs by expert, in item order within each
         counts = torch.zeros(self.num_experts, dtype=torch.long, device=x.device).index_add_(
             0, experts, torch.ones_like(experts))
         probs = F.one_hot(experts, self.num_experts).float()  # [T, E]: the hash is certain
         ones = torch.ones(x.shape[0], device=x.device)
         return Routing(probs=probs, logits=torch.zeros_like(probs), item=item, counts=counts,
                        weights=ones.to(x.dtype)[item], top1=experts, top1_value=ones, load=counts.float(),
-                       kept=torch.ones(x.shape[0], dtype=torch.bool, device=x.device), expert=experts[item])
+                       kept=torch.ones(x.shape[0], dtype=torch.bool, device=x.device), expert=experts[item],
+                       mode=mode)
 
     def extra_repr(self) -> str:
         return f"experts={self.num_experts}, seed={self.seed}"

@@ -35,7 +35,7 @@ def merge_alternatives(problems: list[Problem]) -> list[Problem]:
 def hidden_cross_field_problems(data: Any, problems: list[Problem], positions: Positions,
                                 file: str | None) -> list[Problem]:
     """The cross-field checks that a value error elsewhere in the same router kept pydantic from running: a
-    router with `score: sigmod` is not validated, so its `top_k: 5` over 4 experts went unreported (issue 52).
+    router with `score: sigmod` is not validated, so its `top_k: 5` over 4 experts went unreported.
     Each such router is validated again without its keys in error, and checked against the group's `experts`
     when those are valid; what that finds is reported beside the value errors."""
     found = []

@@ -27,7 +27,7 @@ from ..io import (
     refuse_existing,
     write_sharded,
 )
-from ..layers.transport import sharded_banks
+from ..layers.steps.transport import sharded_banks
 from ..spec import DENSE_SUFFIXES, HUB_CONFIG, SPEC_HASH_KEY, Spec, embedded_spec, hub_spec, load_spec, spec_metadata
 from .dense import check_state_dict, read_state_dict
 

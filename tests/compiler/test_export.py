@@ -65,8 +65,8 @@ def test_soft_moe_exports_where_eager_runs_the_loop(monkeypatch):
     """From CPU_EQUAL_LOOP_FROM[0] slot rows per expert eager Soft MoE runs the loop in forward (a host sync);
     traced it runs the bmm, so the layer still exports, and the export computes what eager computes."""
     from moespec.layers import Experts, SoftMoE
-    from moespec.layers.dispatch import CPU_EQUAL_LOOP_FROM
     from moespec.layers.steps import STEPS
+    from moespec.layers.steps.rule import CPU_EQUAL_LOOP_FROM
 
     torch.manual_seed(0)
     layer = SoftMoE(Experts(2, 8, 16, 8, act=torch.nn.GELU()), slots_per_expert=CPU_EQUAL_LOOP_FROM[0] // 2).eval()

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import moespec
-from moespec.layers.tracing import exporting
+from moespec.layers.ops.mode import exporting
 
 from ..conftest import make_spec
 

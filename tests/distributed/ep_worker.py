@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository, 
 
 import moespec  # noqa: E402
 import moespec.distributed as md  # noqa: E402
-from moespec.layers.dispatch import device_path  # noqa: E402
+from moespec.layers import device_path  # noqa: E402
 from tests.conftest import randomize  # noqa: E402
 from tests.distributed.ep_cases import CASES, input_size  # noqa: E402
 

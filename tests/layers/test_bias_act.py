@@ -1,4 +1,4 @@
-"""fc1's bias and the activation in one op (`layers/bias_act.py`, issue 46 point 4): the grouped step on the
+"""fc1's bias and the activation in one op (`layers/ops/bias_act.py`): the grouped step on the
 sync-free path runs fc1 without bias and then `moespec::bias_act`, and copies no weight bank per step.
 
 - on `device_path()`, a top-k layer with GELU, SiLU and GLU experts gives the outputs and every gradient that the
@@ -8,7 +8,7 @@ sync-free path runs fc1 without bias and then `moespec::bias_act`, and copies no
   weight cast once (forward), under autocast;
 - the op's registrations (fake, autograd) pass `torch.library.opcheck`;
 - the Triton kernels, run in Triton's interpreter (a subprocess with TRITON_INTERPRET=1, as in
-  test_fused_step.py), compute what the torch implementation computes: widths not multiples of the blocks, up to
+  test_triton_step.py), compute what the torch implementation computes: widths not multiples of the blocks, up to
   128 experts with empty ones and dropped rows, fp32 / bf16 / fp16.
 """
 
@@ -21,10 +21,10 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from moespec.layers import bias_act
-from moespec.layers.dispatch import device_path
+from moespec.layers import device_path
 from moespec.layers.experts import Experts
 from moespec.layers.moe import MoE
+from moespec.layers.ops import bias_act
 from moespec.layers.routers import LinearGate, TopKRouter
 from moespec.layers.steps import set_expert_step
 
@@ -152,7 +152,7 @@ def _op_inputs(rows: int, hidden: int, experts: int, glu: int, dtype: torch.dtyp
 def test_the_op_passes_opcheck(act, glu):
     pre, bias, expert, offsets = _op_inputs(11, 8, 4, bias_act.GLU_ORDERS.index(glu), torch.float32)
     args = (pre.requires_grad_(), bias.requires_grad_(), expert, offsets, bias_act.ACTIVATIONS.index(act),
-            bias_act.GLU_ORDERS.index(glu))
+            bias_act.GLU_ORDERS.index(glu), False)
     torch.library.opcheck(torch.ops.moespec.bias_act.default, args)
 
 
@@ -167,7 +167,7 @@ def test_without_a_bias_it_is_the_activation_alone(glu):
     torch.testing.assert_close(h, want)
     grad = torch.randn_like(h)
     torch.testing.assert_close(torch.autograd.grad(h, pre, grad)[0], torch.autograd.grad(want, pre, grad)[0])
-    args = (pre, None, expert, offsets, bias_act.ACTIVATIONS.index("silu"), bias_act.GLU_ORDERS.index(glu))
+    args = (pre, None, expert, offsets, bias_act.ACTIVATIONS.index("silu"), bias_act.GLU_ORDERS.index(glu), False)
     torch.library.opcheck(torch.ops.moespec.bias_act.default, args)
 
 
@@ -188,13 +188,15 @@ def test_the_kernel_computes_what_the_torch_ops_compute(rows, hidden, experts, a
     pre, bias, expert, offsets = _op_inputs(rows, hidden, experts, glu, dtype)
     grad = torch.randn(rows, hidden, generator=torch.Generator().manual_seed(2)).to(dtype)
     tolerance = {} if dtype == torch.float32 else {"rtol": 1e-2, "atol": 1e-2}
-    h = bias_act.launch(pre, bias, expert, act, glu)
+    from moespec.layers.kernels import bias_act as kernels  # imports triton: only in the interpreted run
+
+    h = kernels.launch(pre, bias, expert, act, glu)
     assert h.dtype == dtype and h.shape == (rows, hidden)
     torch.testing.assert_close(h, bias_act._torch_forward(pre, bias, expert, act, glu), **tolerance)
-    dpre = bias_act.launch_backward(grad, pre, bias, expert, act, glu)
+    dpre = kernels.launch_backward(grad, pre, bias, expert, act, glu)
     torch.testing.assert_close(dpre, bias_act._torch_backward(grad, pre, bias, expert, act, glu), **tolerance)
     if act == 1 and rows == 45:  # without a bias (SwiGLU experts): the kernels read none
-        torch.testing.assert_close(bias_act.launch(pre, None, expert, act, glu),
+        torch.testing.assert_close(kernels.launch(pre, None, expert, act, glu),
                                    bias_act._torch_forward(pre, None, expert, act, glu), **tolerance)
-        torch.testing.assert_close(bias_act.launch_backward(grad, pre, None, expert, act, glu),
+        torch.testing.assert_close(kernels.launch_backward(grad, pre, None, expert, act, glu),
                                    bias_act._torch_backward(grad, pre, None, expert, act, glu), **tolerance)

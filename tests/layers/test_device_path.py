@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from moespec.layers.dispatch import device_path
+from moespec.layers import device_path
 from moespec.layers.experts import Experts
 from moespec.layers.moe import MoE
 from moespec.layers.routers import ExpertChoiceRouter, ImageRouter, LinearGate, TopKRouter

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from moespec.layers.transport import expert_major
+from moespec.layers.steps.transport import expert_major
 
 
 def _by_hand(counts: list[list[int]]) -> tuple[list[int], list[int]]:

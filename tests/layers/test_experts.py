@@ -7,10 +7,10 @@ import pytest
 import torch
 from torch import nn
 
-from moespec.layers import Experts, set_expert_step
+from moespec.layers import Experts, Mode, set_expert_step
 from moespec.layers.routing import Groups, group_pairs
-from moespec.layers.rows import RoutedRows, Segments
 from moespec.layers.steps import STEPS, available_steps
+from moespec.layers.steps.rows import RoutedRows, Segments
 
 STRUCTURES = {
     "plain": dict(),
@@ -64,7 +64,7 @@ def test_no_rows_gives_an_empty_output(dispatch):
 
 
 def test_auto_picks_padded_grouped_mm_or_the_loop_by_rows_per_expert_and_padding_waste_on_cpu():
-    from moespec.layers.dispatch import CPU_LOOP_FROM
+    from moespec.layers.steps.rule import CPU_LOOP_FROM
 
     def rows(*counts):
         counts = torch.tensor(counts)
@@ -146,7 +146,7 @@ def test_batched_runs_the_step_it_is_given_and_every_step_agrees(dispatch, monke
     """Equal segments (Soft MoE's slots): each step gives the bmm's output and gradients; auto on CPU runs the
     bmm on x itself (nothing to pad) below CPU_EQUAL_LOOP_FROM rows per expert, the loop from there: 128 in a
     forward autograd does not record, 512 in one it does."""
-    from moespec.layers.dispatch import CPU_EQUAL_LOOP_FROM
+    from moespec.layers.steps.rule import CPU_EQUAL_LOOP_FROM
 
     forward_from, backward_from = CPU_EQUAL_LOOP_FROM
     for rows in (3, forward_from, backward_from):
@@ -164,8 +164,8 @@ def test_batched_runs_the_step_it_is_given_and_every_step_agrees(dispatch, monke
             step = STEPS[name]
             monkeypatch.setattr(step, "run",
                                 lambda *a, f=type(step).run, o=step, s=name, r=ran: r.append(s) or f(o, *a))
-        monkeypatch.setattr(bank, "_stacked",
-                            lambda *a, f=Experts._stacked, b=bank, r=ran: r.append("padded") or f(b, *a))
+        monkeypatch.setattr(bank, "stacked",
+                            lambda *a, f=Experts.stacked, b=bank, r=ran: r.append("padded") or f(b, *a))
         with torch.no_grad():
             y_plain = bank.batched(x)
         bank.zero_grad(set_to_none=True)
@@ -261,9 +261,11 @@ def test_combine_segment_by_segment_equals_the_gathered_step_and_the_sum_by_hand
     weights = torch.rand(9)
     groups = torch.tensor([0, 0, 0, 1, 1, 1, 1]) if structure == "grn" else None
     with torch.no_grad():
-        assert bank._step(rows.shape[0], items, counts) == "loop" and bank.runs_segmentwise(items)
-        segmentwise = bank.combine(items, RoutedRows(rows, weights, Segments(counts)), groups)
-    gathered = bank.combine(items.requires_grad_(), RoutedRows(rows, weights, Segments(counts)), groups)
+        mode = Mode.of(items, bank)
+        assert bank.strategy(items[rows], counts) == "loop" and not mode.records and bank.transport.local
+        segmentwise = bank.combine(items, RoutedRows(rows, weights, Segments(counts), mode), groups)
+    items.requires_grad_()
+    gathered = bank.combine(items, RoutedRows(rows, weights, Segments(counts), Mode.of(items, bank)), groups)
     assert gathered.requires_grad
     torch.testing.assert_close(segmentwise, gathered.detach(), atol=1e-6, rtol=1e-6)
     if structure != "grn":
@@ -272,7 +274,8 @@ def test_combine_segment_by_segment_equals_the_gathered_step_and_the_sum_by_hand
         torch.testing.assert_close(segmentwise, by_hand, atol=1e-5, rtol=1e-5)
     assert segmentwise[4].eq(0).all() and segmentwise[6].eq(0).all()
     with torch.no_grad():  # no pair at all: zeros of the items' shape
-        empty = bank.combine(items, RoutedRows(rows[:0], weights[:0], Segments(torch.zeros(4, dtype=torch.long))),
+        empty = bank.combine(items, RoutedRows(rows[:0], weights[:0], Segments(torch.zeros(4, dtype=torch.long)),
+                                               Mode.of(items, bank)),
                              groups)
     assert torch.equal(empty, torch.zeros(7, 12))
 
@@ -289,7 +292,7 @@ def test_the_combine_by_gathers_equals_the_scatter_add_with_dropped_rows(step, g
     choices = torch.randint(0, 4, (10, 2))
     choices[:, 1] = (choices[:, 0] + 1 + torch.randint(0, 3, (10,))) % 4  # two different experts per item
     gates = torch.rand(10, 2)
-    pairs = group_pairs(choices, gates, 4, capacity=[3, 3], groups=Groups(1, 10, 10))
+    pairs = group_pairs(choices, gates, 4, Mode(), capacity=[3, 3], groups=Groups(1, 10, 10))
     kept = int(pairs.counts.sum())
     assert pairs.dropped and pairs.position is not None and kept < 20 == pairs.item.numel()
     results = []
@@ -297,7 +300,7 @@ def test_the_combine_by_gathers_equals_the_scatter_add_with_dropped_rows(step, g
         x = items.clone().requires_grad_(grad)
         w = pairs.weights.clone().requires_grad_(grad)
         with torch.set_grad_enabled(grad):
-            y = bank.combine(x, RoutedRows(pairs.item, w, Segments(pairs.counts, True), position))
+            y = bank.combine(x, RoutedRows(pairs.item, w, Segments(pairs.counts, True), Mode.of(x, bank), position))
         if grad:
             y.square().sum().backward()
         results.append((y.detach(), x.grad, w.grad))
@@ -377,7 +380,7 @@ def test_the_loop_under_activation_checkpointing_gives_the_same_gradients(reentr
 
 
 def test_expert_linear_passes_gradcheck():
-    from moespec.layers.expert_autograd import ExpertLinear
+    from moespec.layers.ops.expert_autograd import ExpertLinear
 
     weight = torch.randn(3, 4, 5, dtype=torch.float64, requires_grad=True)
     bias = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)

@@ -19,8 +19,9 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from moespec.layers import Experts, LinearGate, MoE, TopKRouter, set_expert_step, side_by_side
-from moespec.layers.side_by_side import each
+from moespec.layers import Experts, LinearGate, MoE, TopKRouter, set_expert_step
+from moespec.layers.ops import side_by_side
+from moespec.layers.ops.side_by_side import each
 
 CPU = torch.device("cpu")
 

@@ -9,7 +9,7 @@ from torch import nn
 
 import moespec
 from moespec.layers import EXPERT_STEPS, Experts, LinearGate, MoE, TopKRouter, set_expert_step
-from moespec.layers import experts as experts_module
+from moespec.layers import steps as steps_module
 from moespec.layers.steps import STEPS, available_steps
 
 from ..conftest import TINY_VIT, make_spec
@@ -51,8 +51,8 @@ def test_a_forced_step_runs_and_auto_restores_the_rule(step, monkeypatch):
 def test_the_step_is_chosen_once_per_layer_call(monkeypatch):
     """The rule runs once per layer call, with and without autograd (it ran 2-3 times on CPU)."""
     calls = []
-    rule = experts_module.auto_step
-    monkeypatch.setattr(experts_module, "auto_step", lambda *a, **k: calls.append(1) or rule(*a, **k))
+    rule = steps_module.auto_step
+    monkeypatch.setattr(steps_module, "auto_step", lambda *a, **k: calls.append(1) or rule(*a, **k))
     layer, x = _layer(), torch.randn(2, 5, DIM)
     with torch.no_grad():
         layer(x)

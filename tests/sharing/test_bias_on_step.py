@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import moespec
-from moespec.layers import bias_steps
+from moespec.layers import balancing
 
 RATE = 2.0**-6  # a power of two: the biases are exact sums of +-RATE
 SPEC = {"name": "bias", "input_size": [3, 32, 32],
@@ -80,8 +80,8 @@ def test_a_loop_that_also_calls_moespec_moves_it_once_per_step():
 def test_another_models_optimizer_leaves_the_bias_and_a_loop_without_steps_is_warned(monkeypatch):
     model, other = _model(), torch.nn.Linear(2, 2)
     optimizer = torch.optim.SGD(other.parameters(), lr=0.1)
-    monkeypatch.setattr(bias_steps, "FORWARDS_WITHOUT_STEP", 5)
-    monkeypatch.setattr(bias_steps.BIAS_ON_STEP, "warned", False)
+    monkeypatch.setattr(balancing, "FORWARDS_WITHOUT_STEP", 5)
+    monkeypatch.setattr(balancing.BIAS_ON_STEP, "warned", False)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for _ in range(8):  # past FORWARDS_WITHOUT_STEP training forwards of each layer

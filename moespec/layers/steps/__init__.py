@@ -1,16 +1,19 @@
-"""The expert steps, as one table, and the one way to force a step.
+"""The expert steps, as one table, the one chooser, and the one way to force a step: the tier between the
+modules (`layers/`) and the ops (`layers/ops/`).
 
     loop        each expert's whole FFN on its contiguous segment in turn (loop.py)
     padded      rows scattered into [E, largest segment, C] and two `bmm`s (padded.py)
-    grouped_mm  `F.grouped_mm` over the jagged segments, no host sync (grouped_mm.py)
-    triton      the fused Triton kernels, forced only (triton.py, over `layers/fused.py`)
+    grouped_mm  `F.grouped_mm` over the jagged segments, no host sync (grouped.py)
+    triton      the scattered Triton kernels, forced only (triton.py, over `ops/scattered.py`)
 
-Each step implements `base.ExpertStep` (what it cannot run, how it runs the sorted rows, whether it fuses the
-gather and the combine); a new step is one file and one line in `STEPS`. All compute the same function. Under
-"auto" (the default) `dispatch.auto_step` picks one for the device, dtype, widths, rows and whether autograd
-records; `Experts.strategy` asks it once per layer call and passes the step down. `set_expert_step(model,
-name)` forces every expert bank of a model to one step ("auto" restores the rule);
-`moespec.create_model(spec, expert_step=name)` builds a model so.
+Each step implements `base.ExpertStep` (what it cannot run, how it runs the sorted rows, whether it gathers and
+combines the pairs itself) against the bank's declared surface (`bank.ExpertBank`); a new step is one file and
+one line in `STEPS`. All compute the same function. Beside them: what routing hands the steps (`rows.py`), where
+the rows are computed (`transport.py`: this process, or over ranks), and the rule "auto" follows (`rule.py`).
+
+`choose` picks the step once per layer call: the forced one, or under "auto" the rule's, for the call's `Mode`,
+the dtype, widths and rows. `set_expert_step(model, name)` forces every expert bank of a model to one step
+("auto" restores the rule); `moespec.create_model(spec, expert_step=name)` builds a model so.
 """
 
 from __future__ import annotations
@@ -20,11 +23,14 @@ import warnings
 import torch
 from torch import nn
 
-from ..fused import unavailable
+from ..ops.mode import Mode
+from ..ops.scattered import unavailable
+from .bank import ExpertBank
 from .base import ExpertStep
-from .grouped_mm import GroupedStep
+from .grouped import GroupedStep
 from .loop import LoopStep
 from .padded import PaddedStep
+from .rule import auto_step, equal_segments_step
 from .triton import TritonStep
 
 STEPS: dict[str, ExpertStep] = {step.name: step for step in (LoopStep(), PaddedStep(), GroupedStep(), TritonStep())}
@@ -43,14 +49,36 @@ def check_step(name: str) -> str:
 
 def available_steps(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> tuple[str, ...]:
     """The steps of the table that can run on `device` in `dtype`: every one, but triton where its kernels cannot
-    run (`fused.unavailable`: no Triton, or the CPU outside Triton's interpreter)."""
+    run (`ops.scattered.unavailable`: no Triton, or the CPU outside Triton's interpreter)."""
     device = torch.device(device)
     return tuple(step for step in EXPERT_STEPS if step != "triton" or unavailable(device, dtype) is None)
 
 
+def choose(bank: ExpertBank, rows: int, like: torch.Tensor, counts: torch.Tensor, mode: Mode,
+           equal: bool = False) -> str:
+    """The step for `rows` rows of `like`'s dtype (`counts` [E] per local expert) in a call that runs as `mode`
+    says: the bank's forced `step` (which raises, saying why, where it cannot run), the loop for GRN experts, else
+    the rule (`rule.auto_step`; `equal`: segments of one length, Soft MoE's slots, `rule.equal_segments_step`).
+    A layer call asks once (`Experts.combine`), or once more for the rows it receives from other ranks."""
+    if bank.step != "auto":
+        why = STEPS[bank.step].unavailable(bank, like, mode)
+        if why is not None:
+            raise RuntimeError(f"the expert step {bank.step!r} cannot run: {why}")
+        if bank.step == "triton":
+            return "triton"
+    if bank.needs_groups:
+        return "loop"
+    if bank.step != "auto":
+        return bank.step
+    if equal:
+        return equal_segments_step(rows // max(1, counts.numel()), mode)
+    aligned = all(width * like.element_size() % 16 == 0 for width in bank.widths)
+    return auto_step(rows, like.dtype, counts, aligned, mode)
+
+
 class ChoosesStep:
     """A module whose expert step is configuration (`Experts`): `step`, "auto" or a step of the table, set per
-    instance (`set_expert_step`) and read by the one chooser (`Experts.strategy`)."""
+    instance (`set_expert_step`) and read by the one chooser (`choose`)."""
 
     step: str
 

@@ -5,35 +5,36 @@ from __future__ import annotations
 
 import torch
 
-from ..expert_autograd import CombinePairs, GatherPairs
-from ..routing import inverse_permutation
-from ..rows import RoutedRows, Segments
-from ..side_by_side import each
+from ..ops.expert_autograd import CombinePairs, GatherPairs
+from ..ops.mode import Mode
+from ..ops.pairs import inverse_permutation
+from ..ops.side_by_side import each
+from .rows import RoutedRows, Segments
 
 
 class ExpertStep:
-    """One way to run an `Experts` bank on its routed rows: all steps compute the same function.
+    """One way to run an expert bank (`bank.ExpertBank`) on its routed rows: all steps compute the same function.
 
-    `run` takes the rows sorted by expert as `Segments` describes them; a dropped row's output is 0. A step
-    whose shapes must stay static runs the dropped rows itself (`static_shapes`); for the others the bank runs
-    the segments' rows and pads the rest with 0. `combine` may gather the routed pairs' rows and combine their
-    outputs itself (fused around its matmuls); None: the bank gathers, runs and combines (`gathered`,
-    `combined`)."""
+    `run` takes the rows sorted by expert as `Segments` describes them, in a call that runs as `mode` says; a
+    dropped row's output is 0. A step whose shapes must stay static runs the dropped rows itself
+    (`static_shapes`); for the others the bank runs the segments' rows and pads the rest with 0. `combine` may
+    gather the routed pairs' rows and combine their outputs itself, around its matmuls; None: the bank gathers,
+    runs and combines (`gathered`, `combined`)."""
 
     name: str
     static_shapes = False  # runs the rows past the segments itself, with no host sync
 
-    def unavailable(self, bank, like: torch.Tensor) -> str | None:
+    def unavailable(self, bank, like: torch.Tensor, mode: Mode) -> str | None:
         """Why this step cannot run `bank` on rows like `like` (device, dtype, training mode), or None."""
         return None
 
-    def run(self, bank, x: torch.Tensor, segments: Segments, groups: torch.Tensor | None) -> torch.Tensor:
+    def run(self, bank, x: torch.Tensor, segments: Segments, groups: torch.Tensor | None, mode: Mode) -> torch.Tensor:
         """[S, C'] outputs of rows x [S, C] sorted by expert."""
         raise NotImplementedError
 
     def combine(self, bank, items: torch.Tensor, rows: RoutedRows, groups: torch.Tensor | None) -> torch.Tensor | None:
-        """[T, C'] the weighted sum of each item's expert outputs, where this step fuses the gather and the
-        combine (`Experts.combine`'s arguments); None where it does not."""
+        """[T, C'] the weighted sum of each item's expert outputs, where this step gathers and combines the pairs
+        itself (`Experts.combine`'s arguments); None where it does not."""
         return None
 
 
@@ -49,7 +50,7 @@ def gathered(items: torch.Tensor, rows: RoutedRows) -> torch.Tensor:
     them by a gather (`GatherPairs`), not by index_select's scatter-add."""
     if rows.position is None:
         return items.index_select(0, rows.item)  # not items[rows]: faster on CPU, and so is its backward
-    return GatherPairs.apply(items, rows.item, rows.position)
+    return GatherPairs.apply(items, rows.item, rows.position, rows.mode.sync_free)
 
 
 def combined(out: torch.Tensor, rows: RoutedRows, tokens: int) -> torch.Tensor:

@@ -11,11 +11,11 @@ of the model is replicated. One forward of a token-choice bank (rows sorted by g
     counts exchange     all_to_all_single of the [E] counts: each rank learns how many rows it will receive
     dispatch            all_to_all_single of the rows, variable splits (rank-major: source rank, then expert)
     permute             rank-major -> expert-major, so that each local expert has one contiguous segment
-    local experts       the bank's step on the E/W local experts (`Experts.run_local`)
+    local experts       the bank's step on the E/W local experts (`ExpertBank.run_local`)
     un-permute, return  the inverse permutation, then all_to_all_single back with the splits swapped
 
 Soft MoE's slots are the same number for every expert, so its bank exchanges even splits and no counts.
-Transport is torch.distributed's `all_to_all_single` (gloo on CPU, NCCL on GPU); `collectives.AllToAll` only
+Transport is torch.distributed's `all_to_all_single` (gloo on CPU, NCCL on GPU); `ops.collectives.AllToAll` only
 makes it differentiable. Every rank runs every collective, also with no rows, or the job would hang. The aux
 losses and routing statistics of a sharded layer sum over the group (`group`), so that they equal those of one
 process on the whole batch.
@@ -27,8 +27,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .collectives import AllToAll as Exchange
-from .collectives import ScaleGrad
+from ..ops.collectives import AllToAll as Exchange
+from ..ops.collectives import ScaleGrad
+from ..ops.mode import Mode
 from .rows import Segments
 
 
@@ -39,14 +40,14 @@ class Local:
     group = None  # aux losses and routing statistics are this process's own
     first = 0
 
-    def run(self, bank, x: torch.Tensor, segments: Segments, groups: torch.Tensor | None,
+    def run(self, bank, x: torch.Tensor, segments: Segments, groups: torch.Tensor | None, mode: Mode,
             step: str | None = None) -> torch.Tensor:
         """[S, C'] the bank's experts on rows x [S, C] sorted by expert, through `step` (None: the chooser's)."""
-        return bank.run_local(x, segments, groups, step)
+        return bank.run_local(x, segments, groups, mode, step)
 
-    def batched(self, bank, x: torch.Tensor) -> torch.Tensor:
+    def batched(self, bank, x: torch.Tensor, mode: Mode) -> torch.Tensor:
         """Expert e on every row of x[e] (x [E, M, C])."""
-        return bank._equal_segments(x)
+        return bank.run_slots(x, mode)
 
     def parameters(self, params: list) -> list:
         return params
@@ -68,7 +69,7 @@ class AllToAll(Local):
         self.group, self.first = group, first
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
 
-    def run(self, bank, x: torch.Tensor, segments: Segments, groups: torch.Tensor | None,
+    def run(self, bank, x: torch.Tensor, segments: Segments, groups: torch.Tensor | None, mode: Mode,
             step: str | None = None) -> torch.Tensor:
         """Rows `x` [S, C] sorted by global expert (`segments`: counts [E]); returns their expert outputs [S, C']
         in the same order, computed on the ranks that hold the experts; dropped rows stay here with output 0.
@@ -90,7 +91,7 @@ class AllToAll(Local):
             theirs = x.new_empty(rows.shape[0], dtype=groups.dtype)
             dist.all_to_all_single(theirs, groups.contiguous(), recv, send, group=self.group)
             local_groups = torch.unique(source * (1 << 32) + theirs, return_inverse=True)[1][order]
-        out = bank.run_local(rows[order], Segments(local_counts), local_groups)
+        out = bank.run_local(rows[order], Segments(local_counts), local_groups, mode)
         if rows.shape[0] == 0:
             # no rows here: the rows and every local expert still join the graph (with zero gradients), so
             # that backward runs this rank's half of the return exchange as the other ranks do theirs, and
@@ -100,7 +101,7 @@ class AllToAll(Local):
         back = Exchange.apply(back, send, recv, self.group)
         return torch.cat([back, back.new_zeros(rows_in - back.shape[0], back.shape[-1])])
 
-    def batched(self, bank, x: torch.Tensor) -> torch.Tensor:
+    def batched(self, bank, x: torch.Tensor, mode: Mode) -> torch.Tensor:
         """Expert e on every row of x[e], x [E, M, C] with the same M on every rank (Soft MoE's slots): even
         splits, no counts exchange."""
         world, local = self.world, bank.local_experts
@@ -108,7 +109,7 @@ class AllToAll(Local):
         splits = [local * slots] * world
         rows = Exchange.apply(x.reshape(experts * slots, dim), splits, splits, self.group)
         rows = rows.view(world, local, slots, dim).transpose(0, 1).reshape(local, world * slots, dim)
-        out = bank._equal_segments(rows)
+        out = bank.run_slots(rows, mode)
         width = out.shape[-1]  # named, not -1: a batch of 0 images has 0 slots per expert
         out = out.view(local, world, slots, width).transpose(0, 1).reshape(experts * slots, width)
         return Exchange.apply(out, splits, splits, self.group).view(experts, slots, width)

@@ -1,4 +1,4 @@
-"""Routing and combine in a handful of ops (`layers/route_ops.py`, issue 46 point 3):
+"""Routing and combine in a handful of ops (`layers/ops/pairs.py`):
 - each op computes what the plain torch ops it replaces compute (softmax then top-k; the stable sort of the choices
   by expert; the weighted gather-sum with fc2's bias), and passes torch's opcheck (schema, fake, autograd);
 - the gate gradient goes back by gathers: no `index_put`, no scatter-add, in forward or backward;
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from moespec.layers import route_ops
+from moespec.layers.ops import pairs
 from moespec.layers.routing import inverse_permutation
 
 TOOL = Path(__file__).resolve().parents[2] / "tools" / "count_kernels.py"
@@ -36,7 +36,7 @@ def _logits(rows=37, experts=8, dtype=torch.float32):
 @pytest.mark.parametrize("k", [1, 2, 8])
 def test_softmax_topk_is_softmax_then_topk(k, dtype):
     logits = _logits(dtype=dtype).requires_grad_()
-    probs, weights, experts = route_ops.softmax_topk(logits, k)
+    probs, weights, experts = pairs.softmax_topk(logits, k)
     want = logits.detach().to(torch.promote_types(dtype, torch.float32)).requires_grad_()
     want_probs = want.softmax(-1)
     want_weights, want_experts = want_probs.topk(k, dim=-1)
@@ -50,12 +50,12 @@ def test_softmax_topk_is_softmax_then_topk(k, dtype):
     torch.testing.assert_close(logits.grad, want.grad.to(dtype))
 
 
-def test_route_pairs_is_the_stable_sort_of_the_choices_by_expert():
+def test_sort_pairs_is_the_stable_sort_of_the_choices_by_expert():
     generator = torch.Generator().manual_seed(1)
     tokens, k, experts = 41, 2, 16
     choices = torch.randint(0, 5, (tokens, k), generator=generator)  # experts 5..15 empty
     weights = torch.rand(tokens, k, generator=generator, requires_grad=True)
-    item, row_expert, pair_weights, counts, ends, position = route_ops.route_pairs(choices, weights, experts,
+    item, row_expert, pair_weights, counts, ends, position = pairs.sort_pairs(choices, weights, experts,
                                                                                    torch.bfloat16)
     order = torch.argsort(choices.reshape(-1), stable=True)
     assert torch.equal(item, order // k) and torch.equal(row_expert, choices.reshape(-1)[order])
@@ -74,11 +74,11 @@ def test_combine_is_the_weighted_sum_of_each_items_rows(bias):
     generator = torch.Generator().manual_seed(2)
     tokens, k, experts, width = 23, 2, 4, 12
     choices = torch.randint(0, experts, (tokens, k), generator=generator)
-    _, _, _, counts, ends, position = route_ops.route_pairs(choices, torch.ones(tokens, k), experts, torch.float32)
+    _, _, _, counts, ends, position = pairs.sort_pairs(choices, torch.ones(tokens, k), experts, torch.float32)
     out = torch.randn(tokens * k, width, generator=generator, requires_grad=True)
     gates = torch.rand(tokens, k, generator=generator, requires_grad=True)
     b = torch.randn(experts, width, generator=generator, requires_grad=True) if bias else None
-    y = route_ops.combine(out, gates, position, dtype=torch.float32, experts=choices, bias=b, ends=ends)
+    y = pairs.combine(out, gates, position, dtype=torch.float32, experts=choices, bias=b, ends=ends)
     want = sum(gates[:, j:j + 1] * (out[position[:, j]] + (b[choices[:, j]] if bias else 0)) for j in range(k))
     torch.testing.assert_close(y, want)
     grad = torch.randn_like(y)
@@ -86,7 +86,7 @@ def test_combine_is_the_weighted_sum_of_each_items_rows(bias):
     expected = torch.autograd.grad(want, [out, gates] + ([b] if bias else []), grad)
     for g, w in zip(got, expected, strict=True):
         torch.testing.assert_close(g, w)
-    plain = route_ops.combine(out, None, position, dtype=torch.float32)  # the gather's gradient: a plain sum
+    plain = pairs.combine(out, None, position, dtype=torch.float32)  # the gather's gradient: a plain sum
     torch.testing.assert_close(plain, out[position].sum(1))
 
 
@@ -97,12 +97,12 @@ def test_the_ops_pass_opcheck():
     torch.library.opcheck(torch.ops.moespec.softmax_topk.default, (logits, k))
     choices = torch.randint(0, experts, (tokens, k), generator=generator)
     weights = torch.rand(tokens, k, generator=generator, requires_grad=True)
-    torch.library.opcheck(torch.ops.moespec.route_pairs.default, (choices, weights, experts, torch.float32))
-    _, _, _, _, ends, position = route_ops.route_pairs(choices, weights.detach(), experts, torch.float32)
+    torch.library.opcheck(torch.ops.moespec.sort_pairs.default, (choices, weights, experts, torch.float32))
+    _, _, _, _, ends, position = pairs.sort_pairs(choices, weights.detach(), experts, torch.float32)
     out = torch.randn(tokens * k, width, generator=generator, requires_grad=True)
     bias = torch.randn(experts, width, generator=generator, requires_grad=True)
     torch.library.opcheck(torch.ops.moespec.combine.default,
-                          (out, weights, position, choices, bias, ends, torch.float32))
+                          (out, weights, position, choices, bias, ends, torch.float32, False))
 
 
 @pytest.mark.parametrize("kind", ["gelu", "swiglu"])

@@ -1,7 +1,8 @@
-"""The autograd Functions behind the expert steps of `experts.Experts`. Their backward writes each stacked
-parameter's gradient once, in the parameter's own layout [E, ...] (on CPU into memory kept from one backward to
-the next, `gradient_memory`), where plain autograd would copy a transposed gradient or allocate a full-size one
-per expert.
+"""The autograd Functions behind the expert steps. Their backward writes each stacked parameter's gradient once,
+in the parameter's own layout [E, ...] (on CPU into memory kept from one backward to the next,
+`gradient_memory`), where plain autograd would copy a transposed gradient or allocate a full-size one per expert.
+They take how the layer call runs as plain flags (`sync_free`, `traced`: the layer's `Mode`) and save them for
+backward.
 
     ExpertLinear   every expert's linear map at once: padded (`bmm`) or jagged rows (`grouped.segment_mm`)
     GatherPairs    the items of the sorted (item, expert) pairs; backward by gathers, not a scatter-add
@@ -17,17 +18,17 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from .dispatch import sync_free
 from .gradient_memory import empty_gradient
 from .grouped import segment_mm, segment_outer, segment_slices, segment_sum
-from .route_ops import combine
+from .pairs import combine
 from .side_by_side import each_segment
 
 
 class ExpertLinear(torch.autograd.Function):
     """Every expert's linear map at once, `x @ weight[e].T + bias[e]`, over a padded batch (x [E, M, C], two
     `bmm`s) or over jagged segments (x [S, C], `grouped.segment_mm` at `offsets`, `expert` [S] the expert of each row;
-    with `dropped`, rows past the last offset give 0: `rows.Segments`).
+    with `dropped`, rows past the last offset give 0: `steps.rows.Segments`). `sync_free` and `traced`: the layer's
+    `Mode` (on the sync-free path backward runs the grouped ops; on CPU eagerly one matmul per expert).
 
     Its backward writes the weight gradient in the weight's own layout [E, H, C], on CPU into memory kept from
     one backward to the next (`gradient_memory`: a fresh tensor that large is page-faulted in). Through plain autograd,
@@ -38,14 +39,14 @@ class ExpertLinear(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, offsets, expert, dropped=False):
+    def forward(ctx, x, weight, bias, offsets, expert, dropped=False, sync_free=False, traced=False):
         ctx.save_for_backward(x, weight, offsets)
-        ctx.has_bias, ctx.dropped = bias is not None, dropped
+        ctx.has_bias, ctx.dropped, ctx.sync_free, ctx.traced = bias is not None, dropped, sync_free, traced
         if offsets is None:
             if bias is None:
                 return torch.bmm(x, weight.transpose(1, 2))
             return torch.baddbmm(bias.unsqueeze(1), x, weight.transpose(1, 2))
-        y = segment_mm(x, weight, offsets, dropped=dropped)
+        y = segment_mm(x, weight, offsets, dropped=dropped, traced=traced)
         if bias is None:
             return y
         return y + (F.pad(bias, (0, 0, 0, 1)) if dropped else bias).index_select(0, expert)  # dropped: expert E
@@ -57,25 +58,27 @@ class ExpertLinear(torch.autograd.Function):
         x, weight = x.to(grad.dtype), weight.to(grad.dtype)  # autocast ran forward in grad's lower precision
         need_x, need_weight, need_bias = ctx.needs_input_grad[:3]
         grad_x = grad_weight = grad_bias = None
+        traced = ctx.traced
         if offsets is None:
             grad_x = torch.bmm(grad, weight) if need_x else None
-            grad_weight = torch.bmm(grad.transpose(1, 2), x, out=empty_gradient(weight)) if need_weight else None
+            grad_weight = (torch.bmm(grad.transpose(1, 2), x, out=empty_gradient(weight, traced=traced))
+                           if need_weight else None)
             grad_bias = grad.sum(1) if ctx.has_bias and need_bias else None
-            return grad_x, grad_weight, grad_bias, None, None, None
+            return grad_x, grad_weight, grad_bias, None, None, None, None, None
         if need_x:
-            grad_x = segment_mm(grad, weight, offsets, transpose=False, dropped=ctx.dropped)
-        eager_cpu = not sync_free(grad.device)  # on CPU eagerly (`device_path()` runs the GPU's ops)
+            grad_x = segment_mm(grad, weight, offsets, transpose=False, dropped=ctx.dropped, traced=traced)
+        eager_cpu = not ctx.sync_free  # on CPU eagerly (`device_path()` runs the GPU's ops)
         if need_weight:
-            grad_weight = _weight_gradient_cpu(grad, x, offsets, weight) if eager_cpu else segment_outer(grad, x,
-                                                                                                          offsets)
+            grad_weight = (_weight_gradient_cpu(grad, x, offsets, weight) if eager_cpu
+                           else segment_outer(grad, x, offsets, traced=traced))
         if ctx.has_bias and need_bias:
             if eager_cpu:  # one sum per segment: no scatter-add, whose cost explodes on a busy CPU
                 grad_bias = grad.new_empty(weight.shape[:2])
                 each_segment(lambda e, rows: torch.sum(grad[rows], 0, out=grad_bias[e]),  # no rows: zeros
                              segment_slices(offsets), grad.shape[1], device=grad.device)
             else:  # deterministic, and no atomics piling onto E rows as in index_add_ on a GPU
-                grad_bias = segment_sum(grad, offsets)
-        return grad_x, grad_weight, grad_bias, None, None, None
+                grad_bias = segment_sum(grad, offsets, traced=traced)
+        return grad_x, grad_weight, grad_bias, None, None, None, None, None
 
 
 def _weight_gradient_cpu(grad: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor,
@@ -83,7 +86,7 @@ def _weight_gradient_cpu(grad: torch.Tensor, x: torch.Tensor, offsets: torch.Ten
     """[E, H, C] sum over each expert's rows of grad [S, H] x x [S, C], zero for experts without rows: one mm
     per expert into the gradient's kept memory (`empty_gradient`; grouped_mm has no out=, and its fresh tensor
     is page-faulted in at every step: docs/dispatch.md)."""
-    out = empty_gradient(weight)
+    out = empty_gradient(weight, traced=False)  # eagerly on CPU: never under a trace
     each_segment(lambda e, rows: torch.mm(grad[rows].t(), x[rows], out=out[e]),  # no rows: zeros
                  segment_slices(offsets), grad.shape[1], device=grad.device)
     return out
@@ -93,21 +96,22 @@ class GatherPairs(torch.autograd.Function):
     """rows [P, C] = items[item[r]] for the P = T * k sorted pairs. Backward sums each item's k row gradients by
     a gather at `position` [T, k] (where each item's choices sit among the pairs), where autograd's index_select
     backward scatter-adds with atomics (on a GPU, a bf16 atomic add per element: docs/dispatch.md has its cost at
-    ViT-B width)."""
+    ViT-B width). On the sync-free path (`sync_free`, the layer's `Mode`) the sum is one op (`pairs.combine`)."""
 
     @staticmethod
-    def forward(ctx, items, item, position):
+    def forward(ctx, items, item, position, sync_free=False):
         ctx.save_for_backward(position)
+        ctx.sync_free = sync_free
         return items.index_select(0, item)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad):
         (position,) = ctx.saved_tensors
-        if sync_free(grad.device):  # one op (one kernel on a GPU): each item's k rows summed
-            return combine(grad, None, position, dtype=grad.dtype), None, None
+        if ctx.sync_free:  # one op (one kernel on a GPU): each item's k rows summed
+            return combine(grad, None, position, dtype=grad.dtype), None, None, None
         rows = grad.index_select(0, position.reshape(-1)).view(*position.shape, grad.shape[-1])
-        return rows.sum(1) if position.shape[1] > 1 else rows.squeeze(1), None, None
+        return rows.sum(1) if position.shape[1] > 1 else rows.squeeze(1), None, None, None
 
 
 class CombinePairs(torch.autograd.Function):
@@ -168,26 +172,32 @@ class SegmentGraphs(torch.autograd.Function):
     expert), zero for experts without rows.
 
     The segment graphs stay on this node until its backward, so they hold what autograd would have saved.
-    A backward that keeps the graph (`retain_graph=True`) keeps them too."""
+    A backward that keeps the graph (`retain_graph=True`) keeps them too.
+
+    Args:
+        x: [S, C] rows sorted by expert; ffn: ffn(rows, params of one expert, groups) -> [rows, C'], one expert's
+        FFN (`Experts.ffn`); out_features: C'; hidden: H (the work per row); segments: rows per expert;
+        groups: [S] image of each row or None; traced: the layer's `Mode.traced`; params: the stacked parameters.
+    """
 
     @staticmethod
-    def forward(ctx, x, bank, segments, groups, *params):
+    def forward(ctx, x, ffn, out_features, hidden, segments, groups, traced, *params):
         needs = ctx.needs_input_grad
-        out = x.new_empty(x.shape[0], bank.out_features)
+        out = x.new_empty(x.shape[0], out_features)
         ctx.rows, ctx.graphs, ctx.params = list(expert_segments(segments)), {}, params
 
         def segment(e, rows):  # on one thread, side by side with the other segments (`side_by_side`)
             leaves = [x[rows].detach().requires_grad_(needs[0])]
             leaves += [p[e].detach().requires_grad_(need) if p is not None else None
-                       for p, need in zip(params, needs[4:], strict=True)]
+                       for p, need in zip(params, needs[7:], strict=True)]
             with torch.enable_grad():
-                y = bank._expert(leaves[0], leaves[1:], groups[rows] if groups is not None else None)
+                y = ffn(leaves[0], leaves[1:], groups[rows] if groups is not None else None)
             out[rows] = y.detach()
             y.untyped_storage().resize_(0)  # backward needs y's graph, not its values (fc2 and dropout keep none)
             ctx.graphs[e] = leaves, y
 
-        each_segment(segment, ctx.rows, bank.hidden, device=x.device)
-        ctx.x_shape, ctx.segments, ctx.hidden = x.shape, segments, bank.hidden
+        each_segment(segment, ctx.rows, hidden, device=x.device)
+        ctx.x_shape, ctx.segments, ctx.hidden, ctx.traced = x.shape, segments, hidden, traced
         return out
 
     @staticmethod
@@ -195,8 +205,8 @@ class SegmentGraphs(torch.autograd.Function):
     def backward(ctx, grad):
         needs = ctx.needs_input_grad
         grads = [grad.new_empty(ctx.x_shape) if needs[0] else None]
-        grads += [empty_gradient(p) if p is not None and need else None
-                  for p, need in zip(ctx.params, needs[4:], strict=True)]
+        grads += [empty_gradient(p, traced=ctx.traced) if p is not None and need else None
+                  for p, need in zip(ctx.params, needs[7:], strict=True)]
         keep = _keeps_graph()
 
         def segment(e, rows):  # on one thread, side by side with the other segments (`side_by_side`)
@@ -218,7 +228,7 @@ class SegmentGraphs(torch.autograd.Function):
                 g[empty] = 0
         if not keep:
             ctx.graphs = None
-        return (grads[0], None, None, None, *grads[1:])
+        return (grads[0], None, None, None, None, None, None, *grads[1:])
 
 
 def _keeps_graph() -> bool:

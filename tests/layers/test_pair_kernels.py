@@ -1,4 +1,4 @@
-"""The routing and combine kernels (`layers/route_kernels.py`, issue 46 point 3), run in Triton's interpreter (a
+"""The routing and combine kernels (`layers/kernels/pairs.py`), run in Triton's interpreter (a
 subprocess with TRITON_INTERPRET=1, as in test_bias_act.py), compute what their torch definitions compute:
 
 - softmax and top k: 1 to 300 experts, k up to 4, 0 or 1 rows and rows not multiples of the block, all-equal rows
@@ -19,16 +19,16 @@ from .interpreter import interpreted, parent, run_interpreted
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
-@pytest.mark.slow  # every route kernel case in Triton's interpreter, in a subprocess (CI runs it)
+@pytest.mark.slow  # every pair kernel case in Triton's interpreter, in a subprocess (CI runs it)
 @parent
-def test_the_route_kernels_in_the_interpreter():
+def test_the_pair_kernels_in_the_interpreter():
     run_interpreted(__file__, timeout=600, select="interpreted")
 
 
 def _kernels():
-    from moespec.layers import route_kernels  # imports triton: only in the interpreted run
+    from moespec.layers.kernels import pairs  # imports triton: only in the interpreted run
 
-    return route_kernels
+    return pairs
 
 
 def _close(got: torch.Tensor, want: torch.Tensor) -> None:
@@ -86,7 +86,7 @@ def test_softmax_topk_backward_interpreted(rows, experts, k, given, dtype):
     _close(got, want.to(dtype))
 
 
-def _route_pairs(experts: torch.Tensor, weights: torch.Tensor, num_experts: int, dtype: torch.dtype):
+def _sort_pairs(experts: torch.Tensor, weights: torch.Tensor, num_experts: int, dtype: torch.dtype):
     """The pairs by torch: a stable argsort of the flattened choices by expert."""
     items, k = experts.shape
     flat = experts.reshape(-1)
@@ -112,16 +112,16 @@ SMALL_BLOCKS = {"BLOCK_P": 16, "BLOCK_E": 8, "BLOCK_B": 4, "num_warps": 4}
 @pytest.mark.parametrize("blocks", ["real", "small"])
 @pytest.mark.parametrize("items, k, num_experts, used", [(0, 2, 8, 8), (1, 1, 1, 1), (1, 2, 8, 1), (77, 2, 8, 3),
                                                          (45, 4, 128, 100), (50, 2, 300, 7), (150, 1, 300, 300)])
-def test_route_pairs_interpreted(items, k, num_experts, used, blocks, monkeypatch):
+def test_sort_pairs_interpreted(items, k, num_experts, used, blocks, monkeypatch):
     """Small blocks (fp32 weights only, the interpreter being slow): up to 12 blocks of 16 choices, their histograms
     read 4 blocks at a time, 8 experts at a time."""
     kernels = _kernels()
     if blocks == "small":
-        monkeypatch.setattr(kernels, "ROUTE_CONFIG", SMALL_BLOCKS)
+        monkeypatch.setattr(kernels, "PAIRS_CONFIG", SMALL_BLOCKS)
     experts, weights = _choices(items, k, num_experts, used)
     for dtype in DTYPES if blocks == "real" else [torch.float32]:
-        got = kernels.launch_route_pairs(experts, weights, num_experts, dtype)
-        want = _route_pairs(experts, weights, num_experts, dtype)
+        got = kernels.launch_sort_pairs(experts, weights, num_experts, dtype)
+        want = _sort_pairs(experts, weights, num_experts, dtype)
         for name, g, w in zip(["item", "row_expert", "pair_weights", "counts", "ends", "position"], got, want,
                               strict=True):
             assert g.dtype == w.dtype and g.shape == w.shape, (name, g.dtype, w.dtype, g.shape, w.shape)
@@ -132,11 +132,11 @@ def test_route_pairs_interpreted(items, k, num_experts, used, blocks, monkeypatc
 
 
 @interpreted
-def test_route_pairs_over_several_real_blocks_interpreted():
+def test_sort_pairs_over_several_real_blocks_interpreted():
     """2,500 choices: 3 blocks of 1,024, every expert's segment across a block boundary."""
     experts, weights = _choices(1250, 2, 8, 5, seed=3)
-    got = _kernels().launch_route_pairs(experts, weights, 8, torch.float32)
-    for g, w in zip(got, _route_pairs(experts, weights, 8, torch.float32), strict=True):
+    got = _kernels().launch_sort_pairs(experts, weights, 8, torch.float32)
+    for g, w in zip(got, _sort_pairs(experts, weights, 8, torch.float32), strict=True):
         assert g.dtype == w.dtype and torch.equal(g, w)
 
 
@@ -201,12 +201,13 @@ def test_combine_backward_interpreted(items, k, columns, num_experts, need, bias
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kind", ["gelu", "swiglu"])
 def test_a_layer_step_on_the_kernels_interpreted(kind, dtype, monkeypatch):
-    """`route_ops` wired to the kernels (as on CUDA): a top-2 layer's step along the GPU path gives what it gives
-    on the torch ops, output and every gradient (the launchers' argument and output orders, the dtypes)."""
+    """The pair ops and `bias_act` wired to the kernels (as on CUDA): a top-2 layer's step along the GPU path gives
+    what it gives on the torch ops, output and every gradient (the launchers' argument and output orders, the
+    dtypes)."""
     from torch import nn
 
-    from moespec.layers import Experts, LinearGate, MoE, TopKRouter, bias_act, route_ops
-    from moespec.layers.dispatch import device_path
+    from moespec.layers import Experts, LinearGate, MoE, TopKRouter, device_path
+    from moespec.layers.ops import backend
 
     from .test_device_path import _step
 
@@ -219,8 +220,7 @@ def test_a_layer_step_on_the_kernels_interpreted(kind, dtype, monkeypatch):
     x = torch.randn(3, 13, 16, generator=torch.Generator().manual_seed(1)).to(dtype)
     with device_path():
         want_y, want_grads = _step(layer, x)
-        monkeypatch.setattr(route_ops, "_kernels", lambda *tensors: True)
-        monkeypatch.setattr(bias_act, "_on_kernels", lambda pre, bias: pre.dtype != torch.float64)
+        monkeypatch.setattr(backend, "on_device", lambda *tensors: True)
         y, grads = _step(layer, x)
     tolerance = {"rtol": 1e-4, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 3e-2, "atol": 3e-2}
     torch.testing.assert_close(y, want_y, **tolerance)

@@ -26,8 +26,8 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from ..errors import MoespecError
-from .collectives import all_reduce_sum
 from .interfaces import MoELayer
+from .ops.collectives import all_reduce_sum
 
 FORWARDS_WITHOUT_STEP = 256
 """Training forwards of one layer without a bias step before `BiasOnStep` warns: more micro-batches than any

@@ -24,8 +24,6 @@ import torch
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .tracing import traced
-
 SMALLEST = 1 << 20  # bytes; below this malloc's heap serves gradients again and again without page faults
 BLOCKS_PER_PARAMETER = 2
 
@@ -33,12 +31,13 @@ _blocks: WeakIdKeyDictionary = WeakIdKeyDictionary()  # parameter -> [(block, we
 _lock = threading.Lock()  # backward can run on several threads
 
 
-def empty_gradient(param: torch.Tensor) -> torch.Tensor:
+def empty_gradient(param: torch.Tensor, *, traced: bool) -> torch.Tensor:
     """An uninitialized contiguous tensor of param's shape, dtype and device, for param's gradient: on one of
-    param's kept blocks where it is a CPU `nn.Parameter` of at least `SMALLEST` bytes and torch is not compiling."""
+    param's kept blocks where it is a CPU `nn.Parameter` of at least `SMALLEST` bytes and torch is not compiling
+    (`traced`: torch.compile or torch.export traces the call, `Mode.traced`)."""
     nbytes = param.numel() * param.element_size()
     kept = type(param) is nn.Parameter and param.device.type == "cpu" and nbytes >= max(SMALLEST, 1)
-    if not kept or traced():
+    if not kept or traced:
         return torch.empty(param.shape, dtype=param.dtype, device=param.device)
     with _lock:  # blocks in use, and free ones of the right size (a dtype change leaves the others behind)
         blocks = [(block, lent) for block, lent in _blocks.get(param, ()) if lent() is not None or len(block) == nbytes]

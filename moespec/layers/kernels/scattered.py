@@ -1,85 +1,24 @@
-"""The Triton kernels of the fused expert step (`fused.py` launches them; its docstring says what each computes).
-Defined only where Triton is installed; under `TRITON_INTERPRET=1` (read by Triton when they are defined) they
-run in its interpreter on CPU.
+"""The Triton kernels of the scattered expert FFN (`ops/scattered.py` says what each computes) and their
+launchers: tile configs, grids and output buffers.
+
+    launch_forward        fc1 (rows gathered in the loads, bias and activation in the epilogue), then fc2 (bias and
+                          gate in the epilogue, rows scattered in the stores): (y, pre, h)
+    launch_backward_rows  fc2's backward (activation backward in the epilogue), then fc1's: (d pre, d gates, d slots)
+    launch_outer          each expert's weight (and bias) gradient from its rows, rows gathered in the loads
+
+Each kernel's tile config is in `CONFIGS`, chosen from what tools/tune_fused.py measured on an H200 among the
+configs that do not spill (tools/kernel_report.py); docs/gpu.md has the figures. Under `TRITON_INTERPRET=1`
+(the CPU, for tests) the blocks are the smallest `tl.dot` takes, so that small tests cross several row and
+column blocks.
 """
 
 from __future__ import annotations
 
-import os
-
+import torch
 import triton
 import triton.language as tl
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-
-@triton.jit
-def _segment_of_block(block, offsets_ptr, experts, rows, BLOCK_M: tl.constexpr):
-    """(segment, first row, end row) of row block `block`: blocks of BLOCK_M rows tile each expert's segment
-    in turn, then the tail [offsets[E - 1], rows) as segment E; past them, segment -1 (nothing to do)."""
-    segment = -1
-    first = 0
-    end = 0
-    blocks_before = 0
-    start = 0
-    for e in range(0, experts + 1):
-        stop = tl.load(offsets_ptr + tl.minimum(e, experts - 1))
-        stop = tl.where(e < experts, stop, rows)
-        blocks = tl.cdiv(stop - start, BLOCK_M)
-        hit = (block >= blocks_before) & (block < blocks_before + blocks)
-        segment = tl.where(hit, e, segment)
-        first = tl.where(hit, start + (block - blocks_before) * BLOCK_M, first)
-        end = tl.where(hit, stop, end)
-        blocks_before += blocks
-        start = stop
-    return segment, first, end
-
-_UPCAST_DOT = tl.constexpr(INTERPRETED)
-
-@triton.jit
-def _dot(a, b, acc, PRECISION: tl.constexpr):
-    """acc + a @ b, accumulated in fp32. Triton's interpreter multiplies 16-bit floats wrongly (3.8: by their
-    bits), so there the operands go in as fp32: the same products, as one of two 16-bit floats is exact in
-    fp32."""
-    if _UPCAST_DOT:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-    return tl.dot(a, b, acc, input_precision=PRECISION)
-
-@triton.jit
-def _act(x, ACT: tl.constexpr):
-    if ACT == 0:  # GELU, exact: x * Phi(x)
-        return 0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))
-    else:  # SiLU
-        return x * tl.sigmoid(x)
-
-@triton.jit
-def _act_grad(x, ACT: tl.constexpr):
-    if ACT == 0:  # Phi(x) + x * phi(x)
-        return 0.5 * (1.0 + tl.math.erf(x * 0.7071067811865476)) + x * 0.3989422804014327 * tl.exp(-0.5 * x * x)
-    else:  # s + x s (1 - s)
-        s = tl.sigmoid(x)
-        return s * (1.0 + x * (1.0 - s))
-
-@triton.jit
-def _tile(pid, row_blocks, columns, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
-    """(row block, column block) of program `pid` in the grouped raster: GROUP_M consecutive row blocks sweep
-    the column blocks together, so that their rows (gathered or not) are read from memory once and then
-    from L2 for every column block, and each column block's weights are read once per group."""
-    column_blocks = tl.cdiv(columns, BLOCK_N)
-    in_group = GROUP_M * column_blocks
-    first = (pid // in_group) * GROUP_M
-    size = tl.minimum(row_blocks - first, GROUP_M)
-    return first + (pid % in_group) % size, (pid % in_group) // size
-
-@triton.jit
-def _tile_of(pid, row_blocks, offsets_ptr, experts, rows, columns, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-             GROUP_M: tl.constexpr):
-    """(expert, its rows [BLOCK_M], their mask, the columns [BLOCK_N], their mask, the column block) of program
-    `pid` of a row kernel: `_tile`'s raster, then `_segment_of_block`'s expert and rows (expert < 0: none)."""
-    block, column_block = _tile(pid, row_blocks, columns, BLOCK_N, GROUP_M)
-    expert, first, end = _segment_of_block(block, offsets_ptr, experts, rows, BLOCK_M)
-    row = first + tl.arange(0, BLOCK_M)
-    col = column_block * BLOCK_N + tl.arange(0, BLOCK_N)
-    return expert, row, row < end, col, col < columns, column_block
+from .common import INTERPRETED, _act, _act_grad, _dot, _tile_of
 
 
 @triton.jit
@@ -272,3 +211,123 @@ def _outer_kernel(a_ptr, a_order_ptr, gate_ptr, b_ptr, b_order_ptr, offsets_ptr,
     if BIAS_GRAD:
         if tile_n == 0:
             tl.store(bias_ptr + expert * stride_bias + m, column_sum.to(bias_ptr.dtype.element_ty), mask=m_mask)
+
+# Tile shapes and launch options per kernel, for 16-bit weights on a Hopper GPU (fp32 takes BLOCK_K <= 32): of
+# the candidates tools/tune_fused.py timed on an H200 (docs/gpu.md), the fastest that neither spills registers
+# (tools/kernel_report.py) nor needs more shared memory than sm_90 has, GLU experts included. GROUP_M row blocks
+# sweep the column blocks together (the grouped raster), so that their rows, gathered or not, come from memory
+# once and then from L2.
+CONFIGS: dict[str, dict[str, int]] = {
+    "fc1": {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3},
+    "fc2": {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3},
+    "fc2_backward": {"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3},
+    "fc1_backward": {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3},
+    "outer": {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 1, "num_warps": 8, "num_stages": 3},
+}
+INTERPRETER_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 16, "GROUP_M": 2}  # several row and column blocks
+
+
+def _config(kernel: str, dtype: torch.dtype) -> dict[str, int]:
+    """`kernel`'s tile sizes and launch options for weights of `dtype` (the smallest under the interpreter)."""
+    if INTERPRETED:
+        return dict(INTERPRETER_CONFIG)
+    config = dict(CONFIGS[kernel])
+    if dtype == torch.float32:
+        config["BLOCK_K"] = min(config["BLOCK_K"], 32)
+    return config
+
+
+def _precision(dtype: torch.dtype) -> str:
+    """tl.dot's input precision: fp32 as IEEE unless torch allows TF32 for CUDA matmuls (ignored for 16 bits)."""
+    return "tf32" if dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32 else "ieee"
+
+
+def _row_blocks(rows: int, experts: int, block_m: int) -> int:
+    """A static bound on the row blocks of E segments and the tail: each rounds up at most once."""
+    return triton.cdiv(rows, block_m) + experts + 1
+
+
+def _row_launch(kernel, name: str, dtype: torch.dtype, rows: int, experts: int, columns: int, *args,
+                **flags) -> dict[str, int]:
+    """Launch row kernel `kernel` over every (row block, column block) tile of `rows` sorted rows and `columns`
+    output columns, in one dimension (`_tile` rasters it). Returns the config it ran with."""
+    config = _config(name, dtype)
+    row_blocks = _row_blocks(rows, experts, config["BLOCK_M"])
+    grid = (row_blocks * triton.cdiv(columns, config["BLOCK_N"]),)
+    _launch(kernel, grid, *args, row_blocks, PRECISION=_precision(dtype), **flags, **config)
+    return config
+
+
+def launch_forward(items: torch.Tensor, offsets: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None,
+                   w2: torch.Tensor, b2: torch.Tensor | None, gates: torch.Tensor | None, order: torch.Tensor | None,
+                   top_k: int, act: int, glu: int, save: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(y [T, C'], pre [P, H'] (empty unless `save`), h [P, H]): the forward of `ops.scattered.scattered_experts`."""
+    rows = items.shape[0] if order is None else order.shape[0]
+    experts, wide, in_features = w1.shape
+    out_features, hidden = w2.shape[1:]
+    dtype = w1.dtype
+    out_dtype = dtype if gates is None else torch.promote_types(dtype, gates.dtype)
+    pre = items.new_empty((rows, wide) if save else (0, wide), dtype=dtype)
+    h = items.new_empty(rows, hidden, dtype=dtype)
+    z = items.new_empty(rows, out_features, dtype=out_dtype)
+    if rows:
+        _row_launch(_fc1_kernel, "fc1", dtype, rows, experts, hidden,
+                    items, order, w1, b1, offsets, pre, h, rows, experts, top_k, in_features, hidden,
+                    items.stride(0), w1.stride(0), w1.stride(1), _stride(b1), pre.stride(0), h.stride(0),
+                    GATHER=order is not None, HAS_BIAS=b1 is not None, SAVE_PRE=save, ACT=act, GLU=glu)
+        _row_launch(_rows_kernel, "fc2", dtype, rows, experts, out_features,
+                    h, w2, b2, gates, order, offsets, z, rows, experts, hidden, out_features,
+                    h.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), _stride(b2), z.stride(0),
+                    SCATTER=order is not None, HAS_BIAS=b2 is not None, HAS_GATE=gates is not None)
+    y = z if top_k == 1 else z.view(-1, top_k, out_features).sum(1)
+    return y, pre, h
+
+
+def launch_backward_rows(grad: torch.Tensor, items: torch.Tensor, offsets: torch.Tensor, w1: torch.Tensor,
+                         w2: torch.Tensor, gates: torch.Tensor | None, order: torch.Tensor | None, pre: torch.Tensor,
+                         top_k: int, act: int, glu: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(d pre [P, H'], d gates [P, column blocks] fp32 partial dot products (empty without gates), d slots [P, C]):
+    fc2's backward, then fc1's, of P > 0 sorted rows."""
+    rows, wide = pre.shape
+    experts, _, in_features = w1.shape
+    out_features, hidden = w2.shape[1:]
+    dtype = w1.dtype
+    hidden_blocks = triton.cdiv(hidden, _config("fc2_backward", dtype)["BLOCK_N"])
+    d_pre = pre.new_empty(rows, wide)
+    d_gates = grad.new_empty((rows, hidden_blocks) if gates is not None else (0, hidden_blocks), dtype=torch.float32)
+    d_slots = items.new_empty(rows, in_features)
+    _row_launch(_fc2_backward_kernel, "fc2_backward", dtype, rows, experts, hidden,
+                grad, order, w2, gates, pre, offsets, d_pre, d_gates, rows, experts, top_k, out_features, hidden,
+                grad.stride(0), w2.stride(0), w2.stride(1), pre.stride(0), d_pre.stride(0), d_gates.stride(0),
+                GATHER=order is not None, HAS_GATE=gates is not None, ACT=act, GLU=glu)
+    _row_launch(_rows_kernel, "fc1_backward", dtype, rows, experts, in_features,
+                d_pre, w1, None, None, order, offsets, d_slots, rows, experts, wide, in_features,
+                d_pre.stride(0), w1.stride(0), w1.stride(2), w1.stride(1), 0, d_slots.stride(0),
+                SCATTER=order is not None, HAS_BIAS=False, HAS_GATE=False)
+    return d_pre, d_gates, d_slots
+
+
+def launch_outer(a: torch.Tensor, a_order: torch.Tensor | None, a_div: int, gates: torch.Tensor | None,
+                 b: torch.Tensor, b_order: torch.Tensor | None, b_div: int, offsets: torch.Tensor, out: torch.Tensor,
+                 bias_out: torch.Tensor | None) -> None:
+    """out[e] = sum over e's rows r of (gate[r] a[order[r] // div])^T b[...] (each row index by its own order and
+    divisor, or r); bias_out[e] = the sum of those rows of a."""
+    experts, m, n = out.shape
+    config = _config("outer", out.dtype)
+    config.pop("GROUP_M")
+    tiles = triton.cdiv(m, config["BLOCK_M"]) * triton.cdiv(n, config["BLOCK_N"])
+    _launch(_outer_kernel, (experts, tiles),
+            a, a_order, gates, b, b_order, offsets, out, bias_out, a_div, b_div, m, n,
+            a.stride(0), b.stride(0), out.stride(0), out.stride(1), _stride(bias_out),
+            A_GATHER=a_order is not None, B_GATHER=b_order is not None, SCALE_A=gates is not None,
+            BIAS_GRAD=bias_out is not None, PRECISION=_precision(out.dtype), **config)
+
+
+def _stride(t: torch.Tensor | None) -> int:
+    return t.stride(0) if t is not None else 0
+
+
+def _launch(kernel, grid: tuple[int, ...], *args, **meta) -> None:
+    """kernel[grid](*args) with None pointers (absent bias, gate, order) as the int 0: the kernels never read
+    them, under constexpr flags."""
+    kernel[grid](*[0 if a is None else a for a in args], **meta)

@@ -1,17 +1,16 @@
-"""Triton kernels of the routing and the combine (issue 46, point 3), and the `launch_*` functions that allocate
-their outputs and launch them on the inputs' device (CUDA, or CPU under `TRITON_INTERPRET=1`).
+"""Triton kernels of the routing and the combine, and the `launch_*` functions that allocate their outputs and
+launch them on the inputs' device (CUDA, or CPU under `TRITON_INTERPRET=1`); `ops/pairs.py` is their torch op.
 
     launch_softmax_topk            probs = softmax(logits), (weights, experts) = its top k, lowest index first on ties
     launch_softmax_topk_backward   grad_logits of probs and weights
-    launch_route_pairs             the T k choices sorted stably by expert: each pair's item, expert, weight and
+    launch_sort_pairs              the T k choices sorted stably by expert: each pair's item, expert, weight and
                                    position, the experts' counts and segment ends
     launch_combine                 y[t] = sum_j gate[t, j] (out[position[t, j]] + bias[expert[t, j]])
     launch_combine_backward        grad_out and grad_gates of the combine
 
 Every kernel computes in fp32, masks any size, computes pointer offsets in int64 and uses no atomics: the results
-are deterministic. A tensor that may be None is replaced by a dummy and not read, under a constexpr flag. The
-callers import this module in a try/except ImportError; tests/layers/test_route_kernels.py runs each launch in
-Triton's interpreter against its torch definition.
+are deterministic. A tensor that may be None is replaced by a dummy and not read, under a constexpr flag.
+tests/layers/test_pair_kernels.py runs each launch in Triton's interpreter against its torch definition.
 """
 
 from __future__ import annotations
@@ -21,7 +20,7 @@ import triton
 import triton.language as tl
 
 COMBINE_CONFIG = {"BLOCK_T": 32, "BLOCK_C": 128, "num_warps": 4}  # [32, 128] tiles: 32 fp32 per thread
-ROUTE_CONFIG = {"BLOCK_P": 1024, "BLOCK_E": 8, "BLOCK_B": 512, "num_warps": 8}  # one-hot tiles [1024, 8]
+PAIRS_CONFIG = {"BLOCK_P": 1024, "BLOCK_E": 8, "BLOCK_B": 512, "num_warps": 8}  # one-hot tiles [1024, 8]
 TILE = 4096  # elements of a softmax tile: BLOCK_U rows of BLOCK_E experts
 
 
@@ -94,7 +93,7 @@ def _softmax_topk_backward_kernel(grad_probs_ptr, grad_weights_ptr, probs_ptr, e
 
 
 @triton.jit
-def _route_histogram_kernel(experts_ptr, histogram_ptr, choices, num_experts, BLOCK_P: tl.constexpr,
+def _pairs_histogram_kernel(experts_ptr, histogram_ptr, choices, num_experts, BLOCK_P: tl.constexpr,
                             BLOCK_E: tl.constexpr):
     """histogram[b, e] (int32 [blocks, E]): how many of the choices b BLOCK_P ... (b + 1) BLOCK_P - 1 are expert e,
     BLOCK_E experts at a time."""
@@ -108,7 +107,7 @@ def _route_histogram_kernel(experts_ptr, histogram_ptr, choices, num_experts, BL
 
 
 @triton.jit
-def _route_place_kernel(experts_ptr, weights_ptr, histogram_ptr, item_ptr, row_expert_ptr, pair_weights_ptr,
+def _pairs_place_kernel(experts_ptr, weights_ptr, histogram_ptr, item_ptr, row_expert_ptr, pair_weights_ptr,
                         position_ptr, counts_ptr, ends_ptr, choices, num_experts, blocks, top_k,
                         BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr):
     """Each choice p of this block's BLOCK_P goes to position[p] = start[e] + before[e] + rank: e's segment start
@@ -250,7 +249,7 @@ def launch_softmax_topk_backward(grad_probs: torch.Tensor | None, grad_weights: 
     return grad_logits
 
 
-def launch_route_pairs(experts: torch.Tensor, weights: torch.Tensor, num_experts: int, dtype: torch.dtype):
+def launch_sort_pairs(experts: torch.Tensor, weights: torch.Tensor, num_experts: int, dtype: torch.dtype):
     """(item, row_expert, pair_weights, counts, ends, position): the P = T k choices of experts [T, k] sorted
     stably by expert. item int64 [P] and row_expert int64 [P] are each pair's item and expert, pair_weights [P] its
     weight in `dtype`, counts int64 [E] the experts' pairs, ends int32 [E] their segments' ends, and position
@@ -267,12 +266,12 @@ def launch_route_pairs(experts: torch.Tensor, weights: torch.Tensor, num_experts
         return item, row_expert, pair_weights, counts, counts.to(torch.int32), position
     counts = experts.new_empty(num_experts)
     ends = experts.new_empty(num_experts, dtype=torch.int32)
-    config = dict(ROUTE_CONFIG)
+    config = dict(PAIRS_CONFIG)
     block_b = config.pop("BLOCK_B")
     blocks = triton.cdiv(choices, config["BLOCK_P"])
     histogram = experts.new_empty(blocks, num_experts, dtype=torch.int32)
-    _route_histogram_kernel[(blocks,)](experts, histogram, choices, num_experts, **config)
-    _route_place_kernel[(blocks,)](experts, weights, histogram, item, row_expert, pair_weights, position, counts,
+    _pairs_histogram_kernel[(blocks,)](experts, histogram, choices, num_experts, **config)
+    _pairs_place_kernel[(blocks,)](experts, weights, histogram, item, row_expert, pair_weights, position, counts,
                                    ends, choices, num_experts, blocks, top_k, BLOCK_B=block_b, **config)
     return item, row_expert, pair_weights, counts, ends, position
 

@@ -28,7 +28,7 @@ from typing import Callable, Iterable, Sequence, TypeVar
 
 import torch
 
-from .tracing import traced
+from .mode import traced
 
 T = TypeVar("T")
 

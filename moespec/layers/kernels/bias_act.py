@@ -1,13 +1,16 @@
-"""The Triton kernels of `bias_act.py` (its docstring says what they compute). Defined only where Triton is
-installed; under `TRITON_INTERPRET=1` (read by Triton when they are defined) they run in its interpreter on CPU.
-"""
+"""The Triton kernels of `ops/bias_act.py` (its docstring says what they compute) and their launchers, `launch`
+and `launch_backward`, which allocate the outputs and launch on the inputs' device (CUDA, or CPU under
+`TRITON_INTERPRET=1`)."""
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
-from .fused_kernels import _act, _act_grad
+from .common import _act, _act_grad
+
+CONFIG = {"BLOCK_M": 32, "BLOCK_N": 128, "num_warps": 4}  # elementwise tiles of 4096 elements, 32 per thread
 
 
 @triton.jit
@@ -76,3 +79,35 @@ def _bias_act_backward_kernel(grad_ptr, pre_ptr, bias_ptr, expert_ptr, dpre_ptr,
             db = g * a * _act_grad(b, ACT)
         tl.store(out, da.to(dpre_ptr.dtype.element_ty), mask=mask)
         tl.store(out + hidden, db.to(dpre_ptr.dtype.element_ty), mask=mask)
+
+
+def _bias_arg(pre: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, int]:
+    """(the bias the kernels read, its experts): without a bias, one zero and no experts, so that every row
+    reads none (the kernels read no bias for a row whose expert is not below the experts)."""
+    return (pre.new_zeros(1, 1), 0) if bias is None else (bias.contiguous(), bias.shape[0])
+
+
+def launch(pre: torch.Tensor, bias: torch.Tensor | None, expert: torch.Tensor, act: int, glu: int) -> torch.Tensor:
+    """The forward kernel on `pre`'s device (CUDA, or CPU under the interpreter)."""
+    rows, wide = pre.shape
+    hidden = wide // 2 if glu else wide
+    (bias, experts), pre, expert = _bias_arg(pre, bias), pre.contiguous(), expert.contiguous()
+    h = pre.new_empty(rows, hidden)
+    if rows and hidden:
+        grid = (triton.cdiv(rows, CONFIG["BLOCK_M"]), triton.cdiv(hidden, CONFIG["BLOCK_N"]))
+        _bias_act_kernel[grid](pre, bias, expert, h, rows, hidden, experts, pre.stride(0), bias.stride(0),
+                               h.stride(0), ACT=act, GLU=glu, **CONFIG)
+    return h
+
+
+def launch_backward(grad: torch.Tensor, pre: torch.Tensor, bias: torch.Tensor | None, expert: torch.Tensor, act: int,
+                    glu: int) -> torch.Tensor:
+    """The backward kernel on `pre`'s device: d pre [S, H']."""
+    rows, hidden = grad.shape
+    (bias, experts), grad, pre, expert = _bias_arg(pre, bias), grad.contiguous(), pre.contiguous(), expert.contiguous()
+    dpre = torch.empty_like(pre)
+    if rows and hidden:
+        grid = (triton.cdiv(rows, CONFIG["BLOCK_M"]), triton.cdiv(hidden, CONFIG["BLOCK_N"]))
+        _bias_act_backward_kernel[grid](grad, pre, bias, expert, dpre, rows, hidden, experts, grad.stride(0),
+                                        pre.stride(0), bias.stride(0), dpre.stride(0), ACT=act, GLU=glu, **CONFIG)
+    return dpre

@@ -1,6 +1,6 @@
-"""The forced triton expert step (`fused.py`, issue 35 point 1) computes what the grouped_mm step computes:
-outputs and the gradients of the input and of every parameter (fc1 / fc2 weights and biases, the router's gate),
-with capacity drops (the tail), GELU and SwiGLU experts, k = 1 and 2, and compiled whole.
+"""The forced triton expert step (`ops/scattered.py` over `kernels/scattered.py`) computes what the grouped_mm step
+computes: outputs and the gradients of the input and of every parameter (fc1 / fc2 weights and biases, the
+router's gate), with capacity drops (the tail), GELU and SwiGLU experts, k = 1 and 2, and compiled whole.
 
 Without a GPU, Triton kernels run only in its interpreter, which reads TRITON_INTERPRET when the kernels are
 defined, that is when moespec is imported. So `test_the_kernels_in_the_interpreter` runs this file again in a
@@ -18,10 +18,10 @@ import pytest
 import torch
 from torch import nn
 
-from moespec.layers import fused
-from moespec.layers.dispatch import device_path
+from moespec.layers import device_path
 from moespec.layers.experts import Experts
 from moespec.layers.moe import MoE
+from moespec.layers.ops import scattered
 from moespec.layers.routers import ExpertChoiceRouter, ImageRouter, LinearGate, TopKRouter
 from moespec.layers.steps import set_expert_step
 
@@ -97,7 +97,7 @@ def test_the_triton_step_computes_what_grouped_mm_computes(name, weight_gradient
     """On the sync-free path (a GPU's): top-k and image routing fuse the gather and the combine into the
     kernels (`position`); expert choice runs them on the gathered rows. The weight gradients either way: the
     Triton kernel that gathers its rows (fp32 on a GPU), torch's grouped GEMM on gathered rows (16 bits)."""
-    monkeypatch.setattr(fused, "WEIGHT_GRADIENTS", weight_gradients)
+    monkeypatch.setattr(scattered, "WEIGHT_GRADIENTS", weight_gradients)
     layer, x = _layer(name), _inputs()
     with device_path():
         want = _step(layer, x, "grouped_mm")
@@ -137,7 +137,7 @@ def test_the_ops_give_what_their_fake_functions_promise(name, weight_gradients, 
     """Every output of the two custom ops has the shape, strides and dtype of its fake function's: torch.compile
     plans with the fake ones, and inductor asserts the strides of the real ones (a non-contiguous bias gradient
     failed there on the GPU)."""
-    monkeypatch.setattr(fused, "WEIGHT_GRADIENTS", weight_gradients)
+    monkeypatch.setattr(scattered, "WEIGHT_GRADIENTS", weight_gradients)
     layer = _layer(name)
     seen = {}
 
@@ -148,11 +148,12 @@ def test_the_ops_give_what_their_fake_functions_promise(name, weight_gradients, 
             return outputs
         return run
 
-    monkeypatch.setattr(fused, "fused_ffn", spy(fused._fused_ffn, fused._fake_ffn))
-    monkeypatch.setattr(fused, "fused_ffn_backward", spy(fused._fused_ffn_backward, fused._fake_ffn_backward))
+    monkeypatch.setattr(scattered, "scattered_ffn", spy(scattered._scattered_ffn, scattered._scattered_ffn_shape))
+    monkeypatch.setattr(scattered, "scattered_ffn_backward", spy(scattered._scattered_ffn_backward,
+                                                                 scattered._scattered_ffn_backward_shape))
     with device_path():
         _step(layer, _inputs(), "triton")
-    assert set(seen) == {"_fused_ffn", "_fused_ffn_backward"}
+    assert set(seen) == {"_scattered_ffn", "_scattered_ffn_backward"}
     for op, (real, fake) in seen.items():
         for i, (r, f) in enumerate(zip(real, fake, strict=True)):
             assert (r.shape, r.stride(), r.dtype) == (f.shape, f.stride(), f.dtype), (op, i)
@@ -224,8 +225,8 @@ def _hopper_backend() -> bool:
 @pytest.mark.skipif(INTERPRETED or not _hopper_backend(), reason="compiles the kernels (not the interpreter's)")
 def test_the_kernels_compile_for_a_hopper_gpu_without_spills():
     """What the interpreter does not check: each kernel as a real launch specializes it (its config in
-    `fused.CONFIGS`, its flags on and off, Triton's divisibility hints) builds for sm_90 within the shared memory
-    an H100 / H200 has, and ptxas' report shows no register spilled (issue 46 point 2), no GPU needed."""
+    `kernels.scattered.CONFIGS`, its flags on and off, Triton's divisibility hints) builds for sm_90 within the
+    shared memory an H100 / H200 has, and ptxas' report shows no register spilled, no GPU needed."""
     spec = importlib.util.spec_from_file_location("moespec_kernel_report", ROOT / "tools" / "kernel_report.py")
     report_tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(report_tool)

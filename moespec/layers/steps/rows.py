@@ -1,9 +1,10 @@
-"""What routing hands the expert steps: one description of the routed rows.
+"""What routing hands the expert steps: one description of the routed rows, and how the layer call runs.
 
 The (item, expert) pairs of one forward are sorted by expert: expert e's segment is rows [ends[e-1], ends[e]),
 `counts[e]` rows long. Pairs that a capacity or a drop left out follow the last segment with weight 0, so that
 every item keeps its k rows (`position`) and, on a GPU or under torch.compile, no shape depends on the data;
-their outputs are 0. The steps read all of it here (`Segments`, `RoutedRows`), and none takes a flag of its own.
+their outputs are 0. The steps read all of it here (`Segments`, `RoutedRows`, with the call's `Mode`), and none
+takes a flag of its own.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from ..ops.mode import Mode
+
 
 class Segments(NamedTuple):
     """Rows sorted by expert: `counts` [E] rows per expert, one segment after another; with `dropped`, rows past
@@ -20,7 +23,7 @@ class Segments(NamedTuple):
 
     counts: torch.Tensor
     dropped: bool = False
-    offsets: torch.Tensor | None = None  # `ends()`, where routing computed it (`route_ops.route_pairs`)
+    offsets: torch.Tensor | None = None  # `ends()`, where routing computed it (`ops.pairs.sort_pairs`)
     row_expert: torch.Tensor | None = None  # `expert_of_rows()`, likewise
 
     def ends(self) -> torch.Tensor:
@@ -57,6 +60,7 @@ class RoutedRows(NamedTuple):
         item: [P] the item of each row (the order: rows sorted by expert).
         weights: [P] the gate each row's output is scaled by (0 for a dropped row).
         segments: the experts' segments and whether dropped rows follow them.
+        mode: how the layer call runs (`ops.mode.Mode`), decided at the top of its forward.
         position: [T, k] the row of each of an item's k choices, where every item makes k (token choice, image
             routing); None elsewhere (expert choice). With it, each item's outputs are gathered and summed,
             never scatter-added.
@@ -68,6 +72,7 @@ class RoutedRows(NamedTuple):
     item: torch.Tensor
     weights: torch.Tensor
     segments: Segments
+    mode: Mode
     position: torch.Tensor | None = None
     gates: torch.Tensor | None = None
     choices: torch.Tensor | None = None

@@ -1,0 +1,106 @@
+"""How one MoE layer call runs, decided once at the top of its forward and carried down: the one file that asks
+torch whether it is compiling, exporting, tracing for TorchScript or under autocast.
+
+`Mode.of(x, bank)` at the top of `MoE.forward`, `SoftMoE.forward` and `Experts.forward` reads every question once;
+the record travels down with the routed rows (`steps.rows.RoutedRows.mode`) to the step chooser and the steps,
+and from there into the ops as plain arguments (`traced`, `sync_free`, `exporting`). Below the layer nothing asks
+again, but the ops' own device and dtype tests, and `side_by_side`, which checks its own thread's state.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+from .backend import INSTALLED
+
+
+def traced() -> bool:
+    """Whether torch.export or torch.compile is tracing this call (torch < 2.3 has no such query)."""
+    return getattr(torch.compiler, "is_compiling", lambda: False)()
+
+
+def exporting() -> bool:
+    """Whether torch.export is tracing this call: the flag `torch.compiler.is_exporting()` reads, read directly.
+    torch 2.11's Dynamo answers the call itself with True under torch.compile too, and the MoE layers took the
+    export path there (every expert on every item, no routing state, so `moespec.aux_loss` returned an
+    earlier step's losses); torch 2.14 answers it right."""
+    flag = getattr(torch.compiler, "_is_exporting_flag", None)
+    return torch.compiler.is_exporting() if flag is None else bool(flag)
+
+
+_device_path_on_cpu = False
+
+
+@contextmanager
+def device_path():
+    """Run the MoE layers' GPU path on CPU (static shapes, no host sync, the grouped step): how the tests see
+    on a machine without a GPU what a GPU runs."""
+    global _device_path_on_cpu
+    before, _device_path_on_cpu = _device_path_on_cpu, True
+    try:
+        yield
+    finally:
+        _device_path_on_cpu = before
+
+
+class Mode(NamedTuple):
+    """How one layer call runs.
+
+    Attributes:
+        sync_free: the path that never waits for the device: static shapes, no host sync. On every device but the
+            CPU, while torch.compile or torch.export traces, and on CPU inside `device_path()`; on CPU eagerly a
+            host sync costs nothing and data-dependent shapes save work.
+        exporting: torch.export traces: every expert on every item, combined densely, no routing state.
+        traced: torch.compile or torch.export traces: the grouped matmuls go into the graph as `aten._grouped_mm`
+            in 16 bits (`grouped.py`), no memory is kept between backwards (`gradient_memory`).
+        scripted: a TorchScript trace runs (fvcore's `FlopCountAnalysis`): the plain ops and the loop, whose ops
+            are then the work `moespec stats` counts.
+        autocast: the dtype autocast computes matmuls in on the device, or None where autocast is off.
+        kernels: moespec's Triton kernels can run on the device (CUDA, Triton installed).
+        records: autograd records this call (a backward may follow): grad mode on and the input or a weight
+            requires grad; never under a TorchScript trace, which cannot record the loop's `SegmentGraphs`.
+    """
+
+    sync_free: bool = False
+    exporting: bool = False
+    traced: bool = False
+    scripted: bool = False
+    autocast: torch.dtype | None = None
+    kernels: bool = False
+    records: bool = False
+
+    @classmethod
+    def of(cls, x: torch.Tensor, *weights: nn.Module | torch.Tensor | None) -> "Mode":
+        """The mode of a call on `x` whose rows depend on `weights` (modules, whose parameters count, or tensors;
+        None: absent) besides x."""
+        device, compiling, scripted = x.device, traced(), torch.jit.is_tracing()
+        records = torch.is_grad_enabled() and not scripted and (x.requires_grad or any(map(_requires_grad, weights)))
+        return cls(sync_free=device.type != "cpu" or compiling or _device_path_on_cpu, exporting=exporting(),
+                   traced=compiling, scripted=scripted, autocast=_autocast_dtype(device),
+                   kernels=INSTALLED and device.type == "cuda", records=records)
+
+    @property
+    def pair_ops(self) -> bool:
+        """Whether routing and the combine run as the pair ops (`pairs.py`: softmax_topk, sort_pairs, combine): on
+        the sync-free path, but neither under a TorchScript trace nor while torch.export records (ONNX knows no
+        custom op). On CPU eagerly the plain torch ops run, without a custom op's dispatch (0.1-0.6 ms a layer
+        step at small sizes)."""
+        return self.sync_free and not self.scripted and not self.exporting
+
+
+def _autocast_dtype(device: torch.device) -> torch.dtype | None:
+    """The dtype autocast computes matmuls in on `device`, or None where autocast is off."""
+    if not hasattr(torch, "get_autocast_dtype"):  # torch < 2.4: the layers' matmuls are autocast's own
+        return None
+    kind = device.type
+    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
+
+
+def _requires_grad(weights: nn.Module | torch.Tensor | None) -> bool:
+    if isinstance(weights, nn.Module):
+        return any(p.requires_grad for p in weights.parameters())
+    return weights is not None and weights.requires_grad
