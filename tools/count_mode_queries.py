@@ -6,8 +6,8 @@
 A query is a call, from moespec's code, of a mode predicate: whether torch.compile, torch.export or a TorchScript
 trace is running, whether autocast is on and in which dtype, whether the layer runs the sync-free path, whether
 the Triton kernels or torch's grouped matmul are there, whether autograd records. A predicate that asks another
-counts once; an op's own test of its tensors' device and dtype is counted apart. The layer is tools/count_kernels.py's: E = 8, k = 2, GELU experts with biases, d = 32, 64 items,
-fp32, in training mode.
+counts once; an op's own test of its tensors' device and dtype is counted apart. The layer is
+tools/count_kernels.py's: E = 8, k = 2, GELU experts with biases, d = 32, 64 items, fp32, in training mode.
 """
 
 from __future__ import annotations

@@ -25,19 +25,18 @@ class Router(nn.Module):
 
     The MoE layer calls `route`, not the module: module hooks (torchinfo's, fvcore's, a user's) see only
     tensors, and a `Routing` record is no tensor (torchinfo refused every MoE model). Its gate modules are
-    called as modules, so the tools still see and count them. `router(x, images)` is `route` too, in a call
-    that starts there."""
+    called as modules, so the tools still see and count them. `router(x, images)` is `route` too."""
 
     num_experts: int
 
-    def route(self, x: torch.Tensor, images: int, mode: Mode) -> Routing:
+    def route(self, x: torch.Tensor, images: int = 1, mode: Mode | None = None) -> Routing:
         """x: [T, C] items, image after image (T / images each) -> their (item, expert) pairs, grouped by expert,
-        in a layer call that runs as `mode` says (`ops.mode.Mode`: the sync-free path, torch.export, ...), which
-        the Routing carries on (`Routing.mode`)."""
+        in a layer call that runs as `mode` says (`ops.mode.Mode`: the sync-free path, torch.export, ...; None: a
+        call that starts here, `Mode.of(x)`), which the Routing carries on (`Routing.mode`)."""
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor, images: int = 1, mode: Mode | None = None) -> Routing:
-        return self.route(x, images, mode if mode is not None else Mode.of(x))
+        return self.route(x, images, mode)
 
     def gate_macs(self, items: int, images: int) -> int:
         """MACs of the routing decision for `items` items in `images` images."""

@@ -194,7 +194,8 @@ class TopKRouter(ChoiceRouter):
         images = self.group or 1  # `batch` is costed at the stats' batch, one image
         return images, self.num_experts * self.capacity(items * images)
 
-    def route(self, x: torch.Tensor, images: int, mode: Mode) -> Routing:
+    def route(self, x: torch.Tensor, images: int = 1, mode: Mode | None = None) -> Routing:
+        mode = Mode.of(x) if mode is None else mode
         logits = self.gate(x)  # in the gate's dtype: the scores are computed in fp32 (`choose_experts`)
         noisy = logits
         if self.training and self.noise_std > 0:
@@ -275,7 +276,8 @@ class ImageRouter(ChoiceRouter):
         per_image = x.reshape(images, items_per_image(x.shape[0], images), x.shape[-1])
         return per_image[:, 0] if self.pool == "cls" else per_image.mean(dim=1)
 
-    def route(self, x: torch.Tensor, images: int, mode: Mode) -> Routing:
+    def route(self, x: torch.Tensor, images: int = 1, mode: Mode | None = None) -> Routing:
+        mode = Mode.of(x) if mode is None else mode
         per_image = x.reshape(images, items_per_image(x.shape[0], images), x.shape[-1])
         vectors = self.gate_input(x, images)
         logits = self.gate(vectors)
@@ -329,7 +331,8 @@ class ExpertChoiceRouter(Router):
         """E * C rows for T items: about c expert passes per item."""
         return self.num_experts * self.capacity(items) / items if items else self.capacity_per_item
 
-    def route(self, x: torch.Tensor, images: int, mode: Mode) -> Routing:
+    def route(self, x: torch.Tensor, images: int = 1, mode: Mode | None = None) -> Routing:
+        mode = Mode.of(x) if mode is None else mode
         logits = at_least_fp32(self.gate(x))
         probs = logits.softmax(dim=-1)
         groups = Groups.of(x.shape[0], images, self.group, self.training)

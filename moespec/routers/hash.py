@@ -68,8 +68,9 @@ class HashRouter(Router):
     def experts_per_item(self, items: int, images: int) -> float:
         return 1
 
-    def route(self, x: torch.Tensor, images: int, mode: Mode) -> Routing:
+    def route(self, x: torch.Tensor, images: int = 1, mode: Mode | None = None) -> Routing:
         """x: [T, C] items, image after image -> a Routing with one (item, expert) pair per item."""
+        mode = Mode.of(x) if mode is None else mode
         experts = self.table(items_per_image(x.shape[0], images), x.device).repeat(images)  # [T]
         item = stable_argsort(experts, exporting=mode.exporting)  # pairs by expert, in item order within each
         counts = torch.zeros(self.num_experts, dtype=torch.long, device=x.device).index_add_(

@@ -46,3 +46,22 @@ def test_experts_per_item_gives_both_the_activated_params_and_the_macs():
     assert layer.activated_params == gate + 32 * per_expert // 17  # 2,224,128: 32 x 1,181,568 is 17 x 2,224,128
     assert round(layer.gmacs * 1e9) == tokens * gate + 32 * (2 * dim * hidden + dim)
     assert layer.activated == "per token, on average (c = 2 experts)"
+
+
+@pytest.mark.parametrize("kind", ["topk", "expert_choice", "image"])
+def test_a_router_called_on_its_own_decides_its_mode_and_routes_as_in_its_layer(kind):
+    """`router.route(items, images)` without a mode (as ../shared/gpu/gpu_check.py calls it for its reference)
+    decides one of its own, `Mode.of(items)`, and routes the items as the layer routes them."""
+    import torch
+
+    from moespec.layers import Mode
+
+    model = moespec.create_model(make_spec(TINY_VIT, [{"where": {"last": 1}, "experts": 4,
+                                                      "router": ROUTERS[kind]}]), seed=0).eval()
+    (layer,) = moe_layers(model).values()
+    items = torch.randn(2 * 5, layer.experts.in_features)
+    with torch.no_grad():
+        alone = layer.router.route(items, 2)
+        layer(items.view(2, 5, -1))
+    assert alone.mode == Mode.of(items)
+    assert torch.equal(alone.item, layer.last_routing.item) and torch.equal(alone.weights, layer.last_routing.weights)
