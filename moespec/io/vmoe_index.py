@@ -10,9 +10,9 @@
 
 Only the extension types of arrays, slices and index entries are decoded (shapes, dtype names, raw bytes), and
 nothing else: no pickle, no code from the file. The shard names are built from the prefix and the index's shard
-count, never read from a file. The data is read tensor by tensor: a first pass over each shard notes where each
-chunk lies (holding one chunk at a time), then each tensor is assembled from its chunks, so memory is bounded by
-the largest tensor.
+count, never read from a file. The data is read tensor by tensor: a first pass over each shard reads only its
+msgpack headers (where each chunk lies), then each tensor is assembled from its chunks, their values read straight
+from the file into it, so memory is bounded by the largest tensor.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import os
 import stat
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, BinaryIO, Iterator
 
 import msgpack
 import numpy as np
@@ -33,8 +33,6 @@ VERSIONS = (None, "20220622")
 MAX_INDEX_BYTES = 64 << 20
 """An index lists shapes and slices: a few hundred kB for the largest released V-MoE; more is not an index."""
 MAX_SHARDS = 100_000
-MAX_OBJECT_BYTES = 2**31 - 1
-"""msgpack's largest buffer: one chunk (vmoe writes chunks of at most 256 MB, flax subchunks of at most 1 GiB)."""
 MAGIC = "__msgpack_array_chunk_a87ca2__"
 EXT_NDARRAY, EXT_SLICE_ND, EXT_INDEX_INFO = 1, 6, 8
 DTYPES = {"float32": np.float32, "float16": np.float16, "float64": np.float64, "bfloat16": np.uint16,
@@ -127,30 +125,27 @@ class LegacyCheckpoint:
         what = _not_a_file(file)
         if what is not None:
             needed = next(entry.name for entry in self.entries if shard in entry.shards)
-            raise CheckpointError(f"{file}: {'missing' if what == 'missing' else what}: the shard {shard} of "
+            raise CheckpointError(f"{file}: {what}: the shard {shard} of "
                                   f"{self.index}, which holds {needed}")
         entry = None
         with open(file, "rb") as f:
-            unpacker = msgpack.Unpacker(f, raw=False, strict_map_key=False, max_buffer_size=MAX_OBJECT_BYTES,
-                                        ext_hook=_slice_hook)
+            stream = _Stream(f, os.fstat(f.fileno()).st_size)
             try:
-                for _ in range(unpacker.read_map_header()):
-                    key = unpacker.unpack()
+                for _ in range(stream.header(MAP_HEADERS)):
+                    key = stream.string()
                     if key == MAGIC:
-                        unpacker.skip()
+                        stream.take(1)  # true
                         continue
                     entry = by_leaf.get(key)
                     if entry is None:
                         raise CheckpointError(f"{file}: holds array {key!r}, which {self.index} does not list")
-                    for _ in range(unpacker.read_array_header()):
-                        if unpacker.read_array_header() != 2:
+                    for _ in range(stream.header(ARRAY_HEADERS)):
+                        if stream.header(ARRAY_HEADERS) != 2:
                             raise CheckpointError(f"{file}: {entry.name}: a chunk is not [subchunks, slice]")
-                        spans = []
-                        for _ in range(unpacker.read_array_header()):
-                            start = unpacker.tell()
-                            unpacker.skip()
-                            spans.append((start, unpacker.tell()))
-                        chunk = unpacker.unpack()
+                        spans = [stream.ext(EXT_NDARRAY) for _ in range(stream.header(ARRAY_HEADERS))]
+                        start, end = stream.ext(EXT_SLICE_ND)
+                        f.seek(start)
+                        chunk = _slice_nd(stream.take(end - start))
                         if chunk not in entry.slices or entry.shards[entry.slices.index(chunk)] != shard:
                             raise CheckpointError(f"{file}: {entry.name}: holds chunk {_show(chunk)}, which the "
                                                   f"index does not put in this shard")
@@ -158,28 +153,26 @@ class LegacyCheckpoint:
             except msgpack.OutOfData:
                 inside = f" inside {entry.name}" if entry is not None else ""
                 raise CheckpointError(f"{file}: truncated: the file ends{inside} "
-                                      f"({os.path.getsize(file):,} bytes)") from None
-            except (ValueError, TypeError, msgpack.UnpackException, _Refused) as err:
+                                      f"({stream.size:,} bytes)") from None
+            except (ValueError, TypeError, KeyError, msgpack.UnpackException, _Refused) as err:
                 inside = f" {entry.name}:" if entry is not None else ""
                 raise CheckpointError(f"{file}:{inside} not a vmoe checkpoint shard ({_one_line(err)})") from None
 
     def _assemble(self, entry: TensorEntry) -> np.ndarray:
+        """The tensor of `entry`, its chunks' bytes read straight into it where a chunk is contiguous in it."""
         out = np.empty(entry.shape, dtype=DTYPES[entry.dtype])
         for chunk, (file, spans) in zip(entry.slices, entry.found, strict=True):
-            parts = []
+            region = out[tuple(slice(a, b) for a, b in chunk)]
+            flat = region.reshape(-1) if region.flags.c_contiguous else np.empty(region.size, out.dtype)
+            filled = 0
             with open(file, "rb") as f:
                 for start, end in spans:
-                    f.seek(start)
-                    raw = f.read(end - start)
-                    if len(raw) != end - start:
-                        raise CheckpointError(f"{file}: truncated inside {entry.name} (it changed while read)")
-                    parts.append(_ndarray(raw, file, entry))
-            flat = np.concatenate(parts) if len(parts) != 1 else parts[0]
-            shape = tuple(b - a for a, b in chunk)
-            if flat.size != _size(chunk):
-                raise CheckpointError(f"{file}: {entry.name}: chunk {_show(chunk)} holds {flat.size:,} values, not "
-                                      f"the {_size(chunk):,} of shape {list(shape)}")
-            out[tuple(slice(a, b) for a, b in chunk)] = flat.reshape(shape)
+                    filled += _read_into(f, start, end, flat[filled:], file, entry)
+            if filled != flat.size:
+                raise CheckpointError(f"{file}: {entry.name}: chunk {_show(chunk)} holds {filled:,} values, not "
+                                      f"the {flat.size:,} of shape {list(region.shape)}")
+            if not region.flags.c_contiguous:
+                region[...] = flat.reshape(region.shape)
         if entry.dtype == "bfloat16":  # its bits are the high half of a float32's
             return (out.astype(np.uint32) << 16).view(np.float32)
         return out
@@ -200,12 +193,6 @@ def _index_hook(code: int, data: bytes) -> Any:
         list(shards)
 
 
-def _slice_hook(code: int, data: bytes) -> Any:
-    if code != EXT_SLICE_ND:
-        raise _Refused(f"extension type {code} where a chunk's slice belongs")
-    return _slice_nd(data)
-
-
 def _slice_nd(data: bytes) -> Slices:
     slices = []
     for one in msgpack.unpackb(data, raw=True):
@@ -216,28 +203,96 @@ def _slice_nd(data: bytes) -> Slices:
     return tuple(slices)
 
 
-def _ndarray(raw: bytes, file: Path, entry: TensorEntry) -> np.ndarray:
-    """A flax ndarray extension (shape, dtype name, raw bytes) as a flat array of `entry`'s dtype."""
+def _read_into(f: BinaryIO, start: int, end: int, into: np.ndarray, file: Path, entry: TensorEntry) -> int:
+    """Read the flax ndarray extension at bytes [start, end) of `f` (shape, dtype name, raw bytes) into the start
+    of `into`; returns the values read. Only its header is parsed in Python: the values go straight from the file."""
+    f.seek(start)
+    head = f.read(min(end - start, HEADER_BYTES))
     try:
-        code, payload = _ext(raw)
-        shape, dtype, buffer = msgpack.unpackb(payload, raw=True)
-    except (ValueError, TypeError, msgpack.UnpackException) as err:
+        code, payload = _header(head, EXT_HEADERS)
+        unpacker = msgpack.Unpacker(raw=True)
+        unpacker.feed(head[payload:])
+        if unpacker.read_array_header() != 3:
+            raise ValueError("not (shape, dtype, bytes)")
+        shape, dtype = unpacker.unpack(), unpacker.unpack()
+        length, data = _header(head[payload + unpacker.tell():], BIN_HEADERS)
+        data += payload + unpacker.tell()
+    except (ValueError, TypeError, IndexError, KeyError, msgpack.UnpackException) as err:
         raise CheckpointError(f"{file}: {entry.name}: not an array chunk ({_one_line(err)})") from None
     dtype = dtype.decode() if isinstance(dtype, bytes) else dtype
     if code != EXT_NDARRAY or dtype != entry.dtype:
         raise CheckpointError(f"{file}: {entry.name}: a chunk of dtype {dtype!r}, the index says {entry.dtype!r}")
-    values = np.frombuffer(buffer, dtype=DTYPES[dtype])
-    if values.size != int(np.prod(shape)):
-        raise CheckpointError(f"{file}: {entry.name}: a subchunk of shape {list(shape)} holds {values.size:,} values")
-    return values
+    count = length // into.itemsize
+    if length % into.itemsize or count != int(np.prod(shape)) or start + data + length != end:
+        raise CheckpointError(f"{file}: {entry.name}: a subchunk of shape {list(shape)} with {length:,} bytes")
+    if count > into.size:
+        raise CheckpointError(f"{file}: {entry.name}: its chunks hold more values than its shape {list(entry.shape)}")
+    f.seek(start + data)
+    if f.readinto(memoryview(into[:count]).cast("B")) != length:
+        raise CheckpointError(f"{file}: truncated inside {entry.name} (it changed while read)")
+    return count
 
 
-def _ext(raw: bytes) -> tuple[int, bytes]:
-    """(type, payload) of one msgpack extension object."""
-    ext = msgpack.unpackb(raw, ext_hook=lambda code, data: msgpack.ExtType(code, data))
-    if not isinstance(ext, msgpack.ExtType):
-        raise ValueError(f"a {type(ext).__name__} where an array belongs")
-    return ext.code, ext.data
+HEADER_BYTES = 4096
+"""An array's header: the extension's, (shape, dtype name) and the bin's: a few dozen bytes."""
+EXT_HEADERS = {0xD4: (1, 1), 0xD5: (2, 1), 0xD6: (4, 1), 0xD7: (8, 1), 0xD8: (16, 1), 0xC7: (0, 1), 0xC8: (0, 2),
+               0xC9: (0, 4)}
+"""msgpack's extension formats: first byte -> (fixed length or 0, bytes of the length field)."""
+BIN_HEADERS = {0xC4: (0, 1), 0xC5: (0, 2), 0xC6: (0, 4)}
+MAP_HEADERS = {**{0x80 + n: (n, 0) for n in range(16)}, 0xDE: (0, 2), 0xDF: (0, 4)}
+ARRAY_HEADERS = {**{0x90 + n: (n, 0) for n in range(16)}, 0xDC: (0, 2), 0xDD: (0, 4)}
+STR_HEADERS = {**{0xA0 + n: (n, 0) for n in range(32)}, 0xD9: (0, 1), 0xDA: (0, 2), 0xDB: (0, 4)}
+
+
+class _Stream:
+    """The msgpack headers of a shard, read from the file a few bytes at a time; an array's bytes are skipped, so
+    the scan holds no chunk. The end of the file inside an object is msgpack's OutOfData."""
+
+    def __init__(self, f: BinaryIO, size: int):
+        self.f, self.size = f, size
+
+    def take(self, count: int) -> bytes:
+        data = self.f.read(count)
+        if len(data) != count:
+            raise msgpack.OutOfData()
+        return data
+
+    def header(self, formats: dict[int, tuple[int, int]]) -> int:
+        """A map's or array's entries, or a str's length."""
+        first = self.take(1)[0]
+        if first not in formats:
+            raise ValueError(f"byte 0x{first:02x} at {self.f.tell() - 1:,} where the shard's layout has another type")
+        fixed, size = formats[first]
+        return int.from_bytes(self.take(size), "big") if size else fixed
+
+    def string(self) -> str:
+        return self.take(self.header(STR_HEADERS)).decode()
+
+    def ext(self, code: int) -> tuple[int, int]:
+        """The byte span of the next extension object, of type `code` (its payload for a slice), skipped."""
+        start = self.f.tell()
+        first = self.take(1)[0]
+        if first not in EXT_HEADERS:
+            raise ValueError(f"byte 0x{first:02x} at {start:,} where an extension object belongs")
+        fixed, size = EXT_HEADERS[first]
+        length = int.from_bytes(self.take(size), "big") if size else fixed
+        if self.take(1)[0] != code:
+            raise _Refused(f"an extension object of another type at {start:,}")
+        payload = self.f.tell()
+        if payload + length > self.size:
+            raise msgpack.OutOfData()
+        self.f.seek(payload + length)
+        return (payload, payload + length) if code == EXT_SLICE_ND else (start, payload + length)
+
+
+def _header(raw: bytes, formats: dict[int, tuple[int, int]]) -> tuple[int, int]:
+    """For an extension: (its type, where its payload starts); for a bin: (its length, where its bytes start)."""
+    fixed, size = formats[raw[0]]
+    length = fixed or int.from_bytes(raw[1:1 + size], "big")
+    if formats is EXT_HEADERS:
+        at = 1 + (0 if fixed else size)
+        return raw[at], at + 1
+    return length, 1 + size
 
 
 def _flatten(tree: dict, prefix: str = "") -> Iterator[tuple[str, Any]]:
