@@ -180,3 +180,42 @@ def test_a_link_inside_an_orbax_folder_is_refused(tmp_path):
     (folder / "d" / "outside").symlink_to(tmp_path / "elsewhere")
     with pytest.raises(MoespecError, match=r"outside: a symbolic link inside the Orbax checkpoint"):
         open_vmoe(folder)
+
+
+S32 = dict(width=512, depth=8, heads=8, mlp=2048, patch=(32, 32), channels=3, moe_blocks=(5, 7), experts=8)
+B16 = dict(width=768, depth=12, heads=12, mlp=3072, patch=(16, 16), channels=3, moe_blocks=(1, 3, 5, 7, 9, 11),
+           experts=8)
+SHIPPED = {  # spec file: (the architecture vmoe's configs give, image, classes, pre_logits, capacity factor)
+    "vmoe_s32_last2_e8_top2": (S32, 224, 1000, True, 1.05),
+    "vmoe_s32_last2_e8_top2_384": (S32, 384, 1000, False, 1.5),
+    "vmoe_b16_every2_e8_top2_21k": (B16, 224, 21843, False, 1.05),
+    "vmoe_b16_every2_e8_top2_384": (B16, 384, 1000, False, 1.5),
+}
+
+
+@pytest.mark.parametrize("name", list(SHIPPED))
+def test_the_shipped_vmoe_specs_are_what_import_vmoe_builds(name):
+    """specs/vmoe_*.yaml, written from vmoe's configs, equal the spec `import_vmoe` makes of a tree of that shape
+    at the config's capacity factor and groups of 8 images (the evaluation capacity is the spec file's own)."""
+    from moespec.weights.vmoe import VmoeArchitecture
+
+    shape, image, classes, pre_logits, factor = SHIPPED[name]
+    arch = VmoeArchitecture(**shape, image=image, classes=classes, pre_logits=pre_logits)
+    built = vmoe_spec(arch, top_k=2, capacity_factor=factor, group_size=8 * arch.tokens)
+    shipped = moespec.load_spec(Path(__file__).resolve().parents[2] / "specs" / f"{name}.yaml")
+    assert shipped.backbone == built.backbone and shipped.input_size == built.input_size
+    group, router = shipped.moe[0], shipped.moe[0].router
+    assert group.model_copy(update={"router": router.model_copy(update={"eval_capacity_factor": None})}) == \
+        built.moe[0]
+
+
+def test_the_erf_gelu_would_not_match_jax(models):
+    """V-MoE's GELU is flax's default, the tanh form: timm's exact GELU is off by more than the tolerance."""
+    model = _import()
+    for block in model.blocks:
+        for ffn in (block.mlp, getattr(block.mlp, "experts", None)):
+            if ffn is not None and hasattr(ffn, "act"):
+                assert type(ffn.act).__name__ == "GELUTanh"
+                ffn.act = torch.nn.GELU()
+    with torch.no_grad():
+        assert _max_diff(model.forward_features(IMAGES), REFERENCE["encoded_capacity"]) > TOLERANCE
