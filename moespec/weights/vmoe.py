@@ -23,7 +23,10 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..compiler import create_model
 from ..errors import CheckpointError, MoespecError
+from ..io.orbax import OrbaxCheckpoint, is_orbax
+from ..io.vmoe_index import LegacyCheckpoint
 from ..spec import Spec, load_spec
 
 CAPACITY_MULTIPLE = 4
@@ -69,9 +72,6 @@ class VmoeArchitecture:
 
 def open_vmoe(path: str | Path) -> TreeReader:
     """The reader of a vmoe checkpoint prefix (or its `.index`) or of an Orbax checkpoint folder."""
-    from ..io.orbax import OrbaxCheckpoint, is_orbax
-    from ..io.vmoe_index import LegacyCheckpoint
-
     path = Path(path)
     if path.is_dir():
         if not is_orbax(path):
@@ -212,8 +212,6 @@ def import_vmoe(path: str | Path, *, top_k: int, capacity_factor: float | None, 
                 batch_priority: bool = False) -> nn.Module:
     """The moespec model of a V-MoE checkpoint, in eval mode: a timm `VisionTransformer` with MoE layers, its spec
     attached (`moespec.save` writes it; `moespec.load` rebuilds it). See `vmoe_spec` for the options."""
-    from ..compiler import create_model
-
     reader = open_vmoe(path)
     arch = architecture(reader.shapes(), reader.index)
     spec = vmoe_spec(arch, top_k=top_k, capacity_factor=capacity_factor, group_size=group_size,
