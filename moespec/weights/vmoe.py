@@ -210,15 +210,16 @@ def vmoe_spec(arch: VmoeArchitecture, *, top_k: int, capacity_factor: float | No
 
 def import_vmoe(path: str | Path, *, top_k: int, capacity_factor: float | None, group_size: int,
                 batch_priority: bool = False) -> nn.Module:
-    """The moespec model of a V-MoE checkpoint, in eval mode: a timm `VisionTransformer` with MoE layers, its spec
-    attached (`moespec.save` writes it; `moespec.load` rebuilds it). See `vmoe_spec` for the options."""
+    """The moespec model of a V-MoE checkpoint: a timm `VisionTransformer` with MoE layers, its spec attached
+    (`moespec.save` writes it; `moespec.load` rebuilds it), in training mode as `create_model` and `load` return
+    theirs. See `vmoe_spec` for the options."""
     reader = open_vmoe(path)
     arch = architecture(reader.shapes(), reader.index)
     spec = vmoe_spec(arch, top_k=top_k, capacity_factor=capacity_factor, group_size=group_size,
                      batch_priority=batch_priority, name=_name(path))
     model = create_model(spec, seed=0)
     fill(model, reader, arch)
-    return model.eval()
+    return model
 
 
 def fill(model: nn.Module, reader: TreeReader, arch: VmoeArchitecture) -> None:

@@ -29,7 +29,8 @@ IMAGES = torch.from_numpy(REFERENCE["images"].transpose(0, 3, 1, 2).copy())  # N
 
 
 def _import(layout: str = "vmoe_tiny", capacity_factor: float = 1.05) -> torch.nn.Module:
-    return moespec.import_vmoe(DATA / layout, top_k=2, capacity_factor=capacity_factor, group_size=GROUP_TOKENS)
+    return moespec.import_vmoe(DATA / layout, top_k=2, capacity_factor=capacity_factor,
+                               group_size=GROUP_TOKENS).eval()
 
 
 @pytest.fixture(scope="module")
@@ -219,3 +220,16 @@ def test_the_erf_gelu_would_not_match_jax(models):
                 ffn.act = torch.nn.GELU()
     with torch.no_grad():
         assert _max_diff(model.forward_features(IMAGES), REFERENCE["encoded_capacity"]) > TOLERANCE
+
+
+@pytest.mark.parametrize("damage", ["truncated", "missing"])
+def test_a_damaged_orbax_data_file_names_the_folder_and_the_tensor(tmp_path, damage):
+    folder = tmp_path / "orbax"
+    shutil.copytree(DATA / "orbax", folder)
+    data = max((folder / "ocdbt.process_0" / "d").iterdir(), key=lambda p: p.stat().st_size)  # the arrays' file
+    if damage == "truncated":
+        data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+    else:
+        data.unlink()
+    with pytest.raises(MoespecError, match=rf"^{folder}: Encoder/\S+: could not be read \(.+\)"):
+        _import(folder)
