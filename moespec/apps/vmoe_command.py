@@ -42,7 +42,8 @@ def register(app: typer.Typer, run: Callable[[Callable[[], None]], None], out) -
             from ..weights import save
             from ..weights.vmoe import architecture, import_vmoe, open_vmoe
 
-            arch = architecture(open_vmoe(path).shapes(), path)
+            reader = open_vmoe(path)
+            arch = architecture(reader.shapes(), reader.index)
             tokens = group_size if group_size is not None else 8 * arch.tokens
             model = import_vmoe(path, top_k=top_k, capacity_factor=capacity_factor, group_size=tokens,
                                 batch_priority=batch_priority)

@@ -182,6 +182,9 @@ def vmoe_spec(arch: VmoeArchitecture, *, top_k: int, capacity_factor: float | No
     if not 1 <= top_k <= arch.experts:
         raise MoespecError(f"top_k {top_k}: the checkpoint's MoE layers have {arch.experts} experts; give 1 to "
                            f"{arch.experts} (V-MoE: 2)")
+    if capacity_factor is not None and not capacity_factor > 0:
+        raise MoespecError(f"capacity_factor {capacity_factor}: give a factor above 0 (V-MoE: 1.05; from "
+                           f"{arch.experts / top_k:g} on, nothing is dropped)")
     if group_size < 1 or group_size % arch.tokens:
         raise MoespecError(f"group_size {group_size}: vmoe's routing groups are counted in tokens, and an image here "
                            f"is {arch.tokens} ({arch.image // arch.patch[0]}^2 patches and [CLS]); give a multiple of "

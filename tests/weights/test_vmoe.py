@@ -129,6 +129,8 @@ def test_group_size_is_counted_in_tokens_as_vmoe_counts_it():
     assert vmoe_spec(arch, top_k=2, capacity_factor=1.05, group_size=40).moe[0].router.group == 8
     with pytest.raises(MoespecError, match=r"group_size 12: .* an image here is 5 .* give a multiple of 5"):
         vmoe_spec(arch, top_k=2, capacity_factor=1.05, group_size=12)
+    with pytest.raises(MoespecError, match=r"capacity_factor 0: give a factor above 0 \(V-MoE: 1.05; from 2 on"):
+        vmoe_spec(arch, top_k=2, capacity_factor=0, group_size=10)
     with pytest.raises(MoespecError, match="top_k 5: the checkpoint's MoE layers have 4 experts"):
         vmoe_spec(arch, top_k=5, capacity_factor=1.05, group_size=10)
 
