@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from .layers.moe import aux_loss, follow_grad_scaler
     from .layers.steps import set_expert_step
     from .weights import load, save, upcycle, upcycle_to_checkpoint
+    from .weights.vmoe import import_vmoe
 
 _LAZY = {
     "optimizer_groups": "apps.optimizer", "register_timm": "apps.timm_registry", "save_for_hf": "apps.hub_folder",
@@ -42,7 +43,7 @@ _LAZY = {
     "fvcore_handles": "counting", "stats": "counting",
     "aux_loss": "layers.moe", "follow_grad_scaler": "layers.moe", "update_bias": "layers.balancing",
     "update_bias_on_step": "layers.balancing", "set_expert_step": "layers.steps", "load": "weights", "save": "weights",
-    "upcycle": "weights", "upcycle_to_checkpoint": "weights",
+    "upcycle": "weights", "upcycle_to_checkpoint": "weights", "import_vmoe": "weights.vmoe",
 }
 """Public name -> the subpackage (relative to moespec) that defines it."""
 
@@ -50,9 +51,9 @@ timm_hook.install()  # timm.create_model("local-dir:FOLDER") of a moespec model,
 
 __all__ = [
     "CheckpointError", "MoespecError", "Plan", "Spec", "SpecError", "aux_loss", "create_model", "densify",
-    "follow_grad_scaler", "fvcore_handles", "load", "load_spec", "merge", "moe_layers", "optimizer_groups", "plan",
-    "plan_of", "prune", "register_timm", "save", "save_for_hf", "set_expert_step", "stats", "update_bias",
-    "update_bias_on_step", "upcycle", "upcycle_to_checkpoint",
+    "follow_grad_scaler", "fvcore_handles", "import_vmoe", "load", "load_spec", "merge", "moe_layers",
+    "optimizer_groups", "plan", "plan_of", "prune", "register_timm", "save", "save_for_hf", "set_expert_step", "stats",
+    "update_bias", "update_bias_on_step", "upcycle", "upcycle_to_checkpoint",
 ]
 
 

@@ -17,8 +17,9 @@ STAGES = ["errors", "lazy", "_version", "choices", "files", "io", "layers", "spe
           "compiler", "weights", "distributed", "counting", "compress", "apps", "cli", "__init__"]
 """Lowest first. A module may import its own stage and the stages before it, never one after it."""
 
-LAZY_ALLOWED = {"matplotlib"}
-"""Imports inside functions defer real cost here: matplotlib is optional and slow to import."""
+LAZY_ALLOWED = {"matplotlib", "tensorstore"}
+"""Imports inside functions defer real cost here: matplotlib is optional and slow to import; tensorstore is optional
+(only Orbax checkpoint folders need it, `io/orbax.py`)."""
 
 HEAVY = {"torch", "timm", "fvcore", "numpy"}
 """Seconds to import (numpy: 0.2 s, two thirds of `import moespec.cli`, measured). A module free of them may

@@ -18,6 +18,7 @@ from ..errors import Problem, SpecError, did_you_mean
 from ..spec import Backbone, Spec, located
 from .meta import SkipMetaWrites
 from .placement import TooManyModules, module_budget, refuse_if_too_large, resolve_device
+from .pre_logits import add_pre_logits
 from .pretrained import create_pretrained
 
 
@@ -65,7 +66,11 @@ def _create(backbone: Backbone, device: torch.device, pretrained: bool) -> nn.Mo
                                             backbone.model).eval()
                 else:
                     model = timm.create_model(backbone.model, **kwargs).eval()
+                if backbone.pre_logits:
+                    model = add_pre_logits(model, backbone.model)
             break
+        except SpecError:  # a check of moespec's own (pre_logits), already located at its field
+            raise
         except TooManyModules as err:
             raise SpecError(Problem(
                 f"{backbone.model} with these kwargs has more than {err.args[0]:,} modules (the largest timm "

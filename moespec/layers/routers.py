@@ -149,17 +149,21 @@ class TopKRouter(ChoiceRouter):
         eval_top_k: k in eval mode (Tutel takes top_k per call); None: `top_k`.
         eval_capacity_factor: c in eval mode (DeepSpeed's eval_capacity_factor): a number, None (dropless), or
             "training" (the default): the training c.
+        capacity_multiple: each expert's capacity per group is rounded up to a multiple of this (V-MoE's
+            `_compute_capacity` rounds up to a multiple of 4; 1: no rounding).
     """
 
     def __init__(self, gate: nn.Module, num_experts: int, top_k: int, *, normalize: bool = False,
                  noise_std: float = 0.0, capacity_factor: float | None = None, bpr: bool = False,
                  drop_fraction: float = 0.0, group: int | None = 1, score: str = "softmax", scale: float = 1.0,
                  bias_rate: float | None = None, expert_groups: tuple[int, int] | None = None,
-                 eval_top_k: int | None = None, eval_capacity_factor: float | str | None = "training"):
+                 eval_top_k: int | None = None, eval_capacity_factor: float | str | None = "training",
+                 capacity_multiple: int = 1):
         super().__init__(gate, num_experts, top_k, normalize=normalize, score=score, scale=scale,
                          bias_rate=bias_rate, expert_groups=expert_groups, eval_top_k=eval_top_k)
         self.noise_std, self.capacity_factor, self.bpr = noise_std, capacity_factor, bpr
         self.drop_fraction, self.group, self.eval_capacity_factor = drop_fraction, group, eval_capacity_factor
+        self.capacity_multiple = capacity_multiple
 
     def active_capacity_factor(self) -> float | None:
         """c in the current mode: `eval_capacity_factor` in eval, unless it is "training"."""
@@ -171,7 +175,8 @@ class TopKRouter(ChoiceRouter):
         factor = self.active_capacity_factor()
         if factor is None:
             return None
-        return math.ceil(factor * self.active_top_k() * items / self.num_experts)
+        capacity = math.ceil(factor * self.active_top_k() * items / self.num_experts)
+        return -(-capacity // self.capacity_multiple) * self.capacity_multiple
 
     def dispatched(self, items: int) -> int:
         """Items that importance-score routing keeps out of `items`."""
@@ -229,7 +234,8 @@ class TopKRouter(ChoiceRouter):
                   ("bpr=True", self.bpr), (f"drop_fraction={self.drop_fraction:g}", self.drop_fraction > 0),
                   (f"group={self.group}", self.capacity_factor is not None or self.drop_fraction > 0),
                   *self.choice_repr(),
-                  (f"eval_capacity_factor={self.eval_capacity_factor}", self.eval_capacity_factor != "training")]
+                  (f"eval_capacity_factor={self.eval_capacity_factor}", self.eval_capacity_factor != "training"),
+                  (f"capacity_multiple={self.capacity_multiple}", self.capacity_multiple != 1)]
         return ", ".join([f"experts={self.num_experts}, top_k={self.top_k}"] + [text for text, on in extras if on])
 
 

@@ -100,7 +100,7 @@ def entry_file(spec: Spec, *, with_key: bool = False) -> Any:
         for file in sorted((package / name).glob("*.py")) if (package / name).is_dir() else [package / name]:
             source.update(file.read_bytes())
     key = {"format": FORMAT, "model": spec.backbone.model, "kwargs": spec.backbone.kwargs, "versions": versions,
-           "source": source.hexdigest()}
+           "source": source.hexdigest(), "pre_logits": spec.backbone.pre_logits}
     key = json.loads(json.dumps(key, sort_keys=True, default=repr))  # as it reads back from the entry
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
     file = folder / "backbones" / f"{digest[:32]}.json"

@@ -7,7 +7,7 @@ from typing import Annotated, Any, ClassVar, Literal, Optional, Union
 
 from pydantic import Field, model_validator
 
-from ..spec.fields import FloatRange
+from ..spec.fields import FloatRange, IntRange
 from ..spec.models import MAX_NOISE_STD
 from ..spec.registry import FieldError, register_router_kind
 from .choice import ChoiceRouterSpec
@@ -23,6 +23,9 @@ from .gates import (
 )
 
 CapacityFactor = FloatRange(0.0, MAX_CAPACITY_FACTOR, low_open=True)
+MAX_CAPACITY_MULTIPLE = 1_024
+"""`capacity_multiple`: V-MoE rounds to 4 (vmoe's `_compute_capacity`); 1,024 is already more than a layer's
+capacity in most groups."""
 
 
 @register_router_kind
@@ -32,6 +35,9 @@ class TopKRouterSpec(ChoiceRouterSpec):
     kind: Literal["topk"] = "topk"
     capacity_factor: Optional[CapacityFactor] = None
     """Each expert takes at most ceil(capacity_factor * top_k * T / experts) of T items; null = dropless."""
+    capacity_multiple: IntRange(1, MAX_CAPACITY_MULTIPLE) = 1
+    """Each expert's capacity per routing group, ceil(capacity_factor * top_k * T / experts), rounded up to a
+    multiple of this: V-MoE's routers round to 4 (`capacity_multiple: 4`); 1: no rounding."""
     group: RoutingGroup = None
     noise: Union[bool, FloatRange(0.0, MAX_NOISE_STD)] = False
     """Noisy top-k (training only): `true` adds N(0, (1/E)^2) to the logits; a number sets the std."""
@@ -56,6 +62,9 @@ class TopKRouterSpec(ChoiceRouterSpec):
         if self.group is not None and not capacity and self.drop_fraction == 0:
             raise FieldError("group", "group cannot matter here: dropless top-k without drops routes every item on its "
                                       "own (a capacity_factor or drop_fraction decides within the group); remove it")
+        if self.capacity_multiple > 1 and not capacity:
+            raise FieldError("capacity_multiple", "capacity_multiple rounds a capacity, and this router is dropless; "
+                                                  "set a capacity_factor or remove capacity_multiple")
         if self.eval_capacity_factor == "dropless" and self.capacity_factor is None:
             raise FieldError("eval_capacity_factor", "the router is dropless already (capacity_factor: null); remove "
                                                      "eval_capacity_factor")
@@ -75,7 +84,8 @@ class TopKRouterSpec(ChoiceRouterSpec):
         module = TopKRouter(build_gate(self.gate, layer.in_features, layer.num_experts), layer.num_experts,
                             self.top_k, noise_std=noise, capacity_factor=self.capacity_factor, bpr=self.bpr,
                             drop_fraction=self.drop_fraction, group=images_per_group(self.group),
-                            eval_capacity_factor=eval_capacity, **self.choice_options())
+                            eval_capacity_factor=eval_capacity, capacity_multiple=self.capacity_multiple,
+                            **self.choice_options())
         return sparse_moe(module, layer, experts, shared)
 
     def describe(self, layer: Any) -> str:
@@ -83,6 +93,7 @@ class TopKRouterSpec(ChoiceRouterSpec):
         extras = self.choice_labels() + [
             ("noise", bool(self.noise)), ("bpr", self.bpr), (f"drop={self.drop_fraction:g}", self.drop_fraction > 0),
             (f"cf={self.capacity_factor}", self.capacity_factor is not None),
+            (f"capacity-multiple={self.capacity_multiple}", self.capacity_multiple > 1),
             (f"eval-cf={self.eval_capacity() or 'dropless'}", self.eval_capacity() != self.capacity_factor),
             (describe_group(self.group), capacity or self.drop_fraction > 0)]
         return " ".join([describe_gate("topk", self.gate)] + [label for label, on in extras if on])

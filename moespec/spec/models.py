@@ -103,6 +103,10 @@ class Backbone(SpecModel):
     spec file."""
     pretrained: bool = False
     """Upcycle from timm's pretrained weights (needs a network)."""
+    pre_logits: bool = False
+    """ViT's representation layer (Dosovitskiy et al. 2021, `representation_size` = the width): a Linear and a tanh
+    between the pooled token and the head, which V-MoE's checkpoints have and timm's ViT has no field for. It sits
+    in timm's `fc_norm` place (after the norm there), so `forward_head(x, pre_logits=True)` returns its output."""
 
     @field_validator("kwargs")
     @classmethod

@@ -64,6 +64,12 @@ DENSE = {
     "vit_huge_patch14_224": vit(1280, 32, 14),  # 632.0M, 167.4 GMACs
     "vit_small_patch14_dinov2": vit(384, 12, 14, layerscale=True),  # at img_size 224: 257 tokens
     "vit_small_patch16_224@14": vit(384, 12, 14),  # ViT-S with patch_size 14
+    # V-MoE's ViTs (specs/vmoe_*): S is width 512, depth 8; the S/32 at 224 with the pre_logits layer (D^2 + D
+    # parameters, D^2 MACs); B/16 on ImageNet-21k's 21,843 classes; the fine-tunes at 384 px (145 and 577 tokens)
+    "vmoe_s32_pre_logits": tuple(a + b for a, b in zip(vit(512, 8, 32), (512 * 512 + 512, 512 * 512), strict=True)),
+    "vmoe_s32@384": vit(512, 8, 32, img=384),
+    "vmoe_b16_21k": vit(768, 12, 16, classes=21843),
+    "vmoe_b16@384": vit(768, 12, 16, img=384),
     "convnext_tiny": (28_589_128, 4.47e9),
     "convnext_small": (50_223_688, 8.70e9),
     "convnext_base": (88_591_464, 15.38e9),
@@ -114,6 +120,11 @@ EXPECTED = {
     "upcycle_vit_b16_ec32_every2": ("vit_base_patch16_224", _layers(6, "expert_choice", 768, 197, 32, 2)),
     "upcycle_vit_s16_drop_e8_top2": ("vit_small_patch16_224", _layers(12, "topk", 384, 197, 8, 2)),
     "upcycle_vit_s16_multisource_e4_top2": ("vit_small_patch16_224", _layers(6, "topk", 384, 197, 4, 2)),
+    # the released V-MoE checkpoints: 8 experts, top-2, "Last 2" (blocks 5, 7) and "Every 2" (1, 3, .., 11)
+    "vmoe_s32_last2_e8_top2": ("vmoe_s32_pre_logits", _layers(2, "topk", 512, 50, 8, 2)),
+    "vmoe_s32_last2_e8_top2_384": ("vmoe_s32@384", _layers(2, "topk", 512, 145, 8, 2)),
+    "vmoe_b16_every2_e8_top2_21k": ("vmoe_b16_21k", _layers(6, "topk", 768, 197, 8, 2)),
+    "vmoe_b16_every2_e8_top2_384": ("vmoe_b16@384", _layers(6, "topk", 768, 577, 8, 2)),
 }
 
 

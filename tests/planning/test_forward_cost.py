@@ -119,7 +119,7 @@ def test_an_input_size_the_model_does_not_take_is_one_error_before_anything_is_w
     result = CliRunner().invoke(app, [command, str(spec), "-o", str(out), *extra])
     assert result.exit_code == 2, result.output
     assert result.output.strip() == (
-        f"moespec: error: {spec}:10:1: input_size: the model cannot take input size [3, 96, 96]: Input height (96) "
+        f"moespec: error: {spec}:11:1: input_size: the model cannot take input size [3, 96, 96]: Input height (96) "
         f"doesn't match model (224); models with a fixed input size take it as img_size (and in_chans) in "
         f"backbone.kwargs"), result.output
     assert not out.exists()

@@ -25,9 +25,12 @@ OLD_SPECS = sorted((RELEASE_0_1 / "specs").glob("*.yaml"))  # specs/ as release 
 
 
 SINCE_THE_PREVIOUS_RELEASE = {"upcycle_vit_b16_ec32_every2.yaml", "upcycle_vit_s16_drop_e8_top2.yaml",
-                              "upcycle_vit_s16_multisource_e4_top2.yaml"}
+                              "upcycle_vit_s16_multisource_e4_top2.yaml", "vmoe_s32_last2_e8_top2.yaml",
+                              "vmoe_s32_last2_e8_top2_384.yaml", "vmoe_b16_every2_e8_top2_21k.yaml",
+                              "vmoe_b16_every2_e8_top2_384.yaml"}
 """Shipped specs newer than release 0.1: issue 49's upcycling recipes, written with fields it did not have
-(`upcycle.drop`, `router_init: hidden`)."""
+(`upcycle.drop`, `router_init: hidden`), and issue 60's released V-MoE checkpoints (`capacity_multiple`,
+`backbone.pre_logits`)."""
 
 
 def test_the_previous_release_shipped_every_spec_we_ship():

@@ -257,8 +257,8 @@ moe:
                                                           "moe.0.router.normalise")
     assert problem.column == column_of(text, "normalise")
     assert problem.message == ("unknown key 'normalise'; allowed: kind, top_k, gate, normalize, score, scale, "
-                               "bias_balance, groups, eval_top_k, capacity_factor, group, noise, bpr, "
-                               "drop_fraction, eval_capacity_factor; did you mean 'normalize'?")
+                               "bias_balance, groups, eval_top_k, capacity_factor, capacity_multiple, group, noise, "
+                               "bpr, drop_fraction, eval_capacity_factor; did you mean 'normalize'?")
 
 
 def test_unknown_router_kind_names_the_kinds_without_internals(tmp_path):
