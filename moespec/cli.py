@@ -13,7 +13,7 @@ from typing import Annotated, Callable, List, Optional, Tuple
 import typer
 from rich.console import Console
 
-from .apps import compression, terminal
+from .apps import compression, measure, terminal
 from .apps.options import RANKS_HELP, Attention, Dispatch, DType, Format, HubFolder, MaxShardSize, OutputFile, Overwrite
 from .choices import MAX_POINTS, check_seed
 from .errors import MoespecError, SpecError
@@ -377,6 +377,7 @@ def inspect_command(
 
 
 compression.register(app, _run, out)  # prune, merge, densify
+measure.register(app, _run, out, lambda: _quiet)  # bench, eval
 
 
 @app.command("schema")
