@@ -157,10 +157,7 @@ def bench(sources: Sequence[str | Path], *, device: str = "cpu", batch: int = 32
             raise MoespecError(f"{option} {value}: expected a whole number of at least 1")
     if warmup < 0:
         raise MoespecError(f"--warmup {warmup}: expected a whole number of at least 0")
-    try:
-        where = resolve_device(device)
-    except MoespecError as error:
-        raise MoespecError(f"--device {device}: {error}".replace("use device='cpu'", "use --device cpu")) from None
+    where = resolve_device(device)
     if where.type == "meta":
         raise MoespecError("--device meta: a model on the meta device has no storage to run; use cpu or cuda")
     load_before = os.getloadavg()

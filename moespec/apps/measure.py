@@ -30,6 +30,18 @@ def _existing(paths: List[Path]) -> None:
             raise MoespecError(f"{path}: no such spec, checkpoint or folder")
 
 
+def _checked_device(device: str) -> None:
+    """A device this machine has, or one line naming `--device` (before any model is built)."""
+    from ..backbones import resolve_device
+
+    try:
+        resolve_device(device)
+    except MoespecError as error:
+        raise MoespecError(f"--device {device}: {error}".replace("use device='cpu'", "use --device cpu")) from None
+    if device == "meta":
+        raise MoespecError("--device meta: a model on the meta device has no storage to run; use cpu or cuda")
+
+
 def register(app: typer.Typer, run: Callable[[Callable[[], None]], None], out, quiet: Callable[[], bool]) -> None:
     """Add the two commands to `app`; `run` turns user mistakes into one line and exit 2 (`cli._run`), `quiet`
     says whether `--quiet` was given."""
@@ -56,6 +68,7 @@ def register(app: typer.Typer, run: Callable[[Callable[[], None]], None], out, q
 
         def body() -> None:
             _existing(sources)
+            _checked_device(device)
             from .bench import bench, render
 
             with terminal.progress("timing", quiet()) as advance:
@@ -88,6 +101,7 @@ def register(app: typer.Typer, run: Callable[[Callable[[], None]], None], out, q
 
         def body() -> None:
             _existing([checkpoint, images, *([spec] if spec else [])])
+            _checked_device(device)
             from .evaluate import evaluate, load_classifier, render
 
             model = load_classifier(checkpoint, device=device, spec=spec, ema=ema, trust_pickle=trust_pickle)

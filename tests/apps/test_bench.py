@@ -103,8 +103,11 @@ def test_a_checkpoint_times_as_its_spec(tiny, tmp_path):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
-def test_a_missing_device_is_one_line(capsys, tiny):
-    assert run_app(app, ["bench", str(tiny), "--device", "cuda"]) == 2
+@pytest.mark.parametrize("command", ["bench", "eval"])
+def test_a_missing_device_is_one_line(capsys, tiny, command):
+    """Before any model is built: `eval` is given the spec here, which it would refuse as a checkpoint later."""
+    args = [str(tiny)] if command == "bench" else [str(tiny), "--images", str(tiny.parent)]
+    assert run_app(app, [command, *args, "--device", "cuda"]) == 2
     captured = capsys.readouterr()
     assert captured.out == ""
     assert captured.err.startswith("moespec: error: --device cuda: ") and captured.err.count("\n") == 1
