@@ -54,7 +54,7 @@ class LayerLoad:
 class ClassAccuracy:
     name: str
     images: int
-    top1: float  # percent
+    top1: float | None  # percent; None for a class none of whose images could be read
 
 
 @dataclass(frozen=True)
@@ -177,7 +177,7 @@ def evaluate(model: nn.Module, root: str | Path, *, batch_size: int = 32, input_
         source=source, model=getattr(getattr(model, "moespec_spec", None), "name", None) or type(model).__name__,
         data_config={k: list(v) if isinstance(v, tuple) else v for k, v in config.items()}, images=count,
         top1=100 * top1 / count, top5=100 * top5 / count, loss=loss_sum / count,
-        classes=[ClassAccuracy(name, n, 100 * r / n if n else math.nan)
+        classes=[ClassAccuracy(name, n, 100 * r / n if n else None)
                  for name, n, r in zip(classes, per_class, right, strict=True)],
         layers=[LayerLoad(path, layer.num_experts, (loads[path] / loads[path].sum().clamp(min=1e-12)).tolist(),
                           dropped[path] / max(items[path], 1), items[path]) for path, layer in layers.items()],
@@ -206,7 +206,8 @@ def render(report: EvalReport, per_class: bool = False) -> str:
         lines.append(f"{layer.path}: load per expert {shares} (uniform {1 / layer.experts:.2f}), dropped "
                      f"{100 * layer.drop_fraction:.1f}% of {layer.items} items")
     if per_class:
-        lines += [f"  {cls.name}: top-1 {cls.top1:.2f}% of {cls.images}" for cls in report.classes]
+        lines += [f"  {cls.name}: top-1 {cls.top1:.2f}% of {cls.images}" if cls.images else
+                  f"  {cls.name}: no readable images" for cls in report.classes]
     return "\n".join(lines) + "\n"
 
 

@@ -116,10 +116,15 @@ def test_unreadable_images_are_skipped_and_counted(workspace, tmp_path, capsys):
         for image in sorted((workspace / "images" / name).iterdir())[:2]:
             (folder / name / image.name).write_bytes(image.read_bytes())
     (folder / "c2" / "broken.png").write_bytes(b"not an image")
+    (folder / "c3").mkdir()
+    (folder / "c3" / "empty.jpg").write_bytes(b"")  # a class none of whose images can be read
     assert run_app(app, ["eval", str(workspace / "model.safetensors"), "--images", str(folder), "-f", "json"]) == 0
     captured = capsys.readouterr()
-    record = json.loads(captured.out)
-    assert record["images"] == 6 and len(record["skipped"]) == 1 and "broken.png" in record["skipped"][0]
+    record = json.loads(captured.out, parse_constant=lambda name: pytest.fail(f"{name} is not JSON"))
+    assert record["images"] == 6 and len(record["skipped"]) == 2
+    assert "broken.png" in record["skipped"][0] and "empty.jpg" in record["skipped"][1]
+    assert [(c["name"], c["images"]) for c in record["classes"]] == [("c1", 2), ("c2", 2), ("c3", 0), ("c10", 2)]
+    assert record["classes"][2]["top1"] is None
     assert captured.err.startswith("moespec: warning: skipped an unreadable image: ")
     assert "Traceback" not in captured.err
 
