@@ -18,21 +18,13 @@ from moespec.apps import bench as bench_module
 from moespec.apps.bench import Spread, bench, render
 from moespec.apps.terminal import run_app
 from moespec.cli import app
-
-TINY = """\
-backbone: {model: vit_small_patch16_224, kwargs: {depth: 2, img_size: 32, num_classes: 10}}
-input_size: [3, 32, 32]
-moe:
-  - where: {every: 1}
-    experts: 4
-    router: {top_k: 2}
-"""
+from tests.conftest import TINY_SPEC_YAML
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     path = tmp_path_factory.mktemp("bench") / "tiny.yaml"
-    path.write_text(TINY)
+    path.write_text(TINY_SPEC_YAML)
     return path
 
 
@@ -57,7 +49,7 @@ def test_the_figures_hold_together(report, tiny):
     # the paired ratio lies within what the two spreads allow
     assert result.moe_images_per_s.min / result.dense_images_per_s.max <= result.ratio.median
     assert result.ratio.median <= result.moe_images_per_s.max / result.dense_images_per_s.min
-    assert (result.moe_layers, result.input_size, report.rounds, report.batch) == (2, (3, 32, 32), 3, 2)
+    assert (result.moe_layers, result.input_size, report.rounds, report.batch) == (2, (3, 64, 64), 3, 2)
 
 
 def test_the_machine_is_reported(report):
@@ -84,7 +76,7 @@ def test_a_training_step_steps_the_optimizer_with_the_aux_loss(tiny):
     through the routing and the aux loss)."""
     model = moespec.create_model(moespec.load_spec(tiny), seed=0)
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
-    images = torch.randn(2, 3, 32, 32)
+    images = torch.randn(2, 3, 64, 64)
     step = bench_module._train_step(model, model, images, seed=0, moe=True, dtype="fp32")
     step()
     moved = [name for name, p in model.named_parameters() if not torch.equal(p, before[name])]

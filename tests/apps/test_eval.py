@@ -21,17 +21,9 @@ from moespec.apps.evaluate import evaluate, labelled_images, load_classifier, re
 from moespec.apps.terminal import run_app
 from moespec.cli import app
 from moespec.errors import MoespecError
-from tests.conftest import randomize
+from tests.conftest import TINY_SPEC_YAML, randomize
 
 VALIDATE = Path(__file__).resolve().parent.parent / "data" / "timm_validate.py"
-SPEC = """\
-backbone: {model: vit_small_patch16_224, kwargs: {depth: 2, img_size: 32, num_classes: 12}}
-input_size: [3, 32, 32]
-moe:
-  - where: {every: 1}
-    experts: 4
-    router: {top_k: 2}
-"""
 CLASSES = ("c1", "c2", "c10")  # natural order c1, c2, c10 (sorted by name: c1, c10, c2), as timm reads them
 
 
@@ -40,7 +32,7 @@ def workspace(tmp_path_factory):
     """A tiny MoE ViT with randomized weights (so that its predictions vary), saved as a moespec checkpoint and
     as a Hub folder, and a folder of 24 random images of several sizes in three classes."""
     root = tmp_path_factory.mktemp("eval")
-    (root / "spec.yaml").write_text(SPEC)
+    (root / "spec.yaml").write_text(TINY_SPEC_YAML)  # a ViT-S of two blocks at 64 px, 10 classes
     model = randomize(moespec.create_model(moespec.load_spec(root / "spec.yaml"), seed=0), seed=3).eval()
     moespec.save(model, root / "model.safetensors")
     moespec.save_for_hf(model, root / "hub")
@@ -75,13 +67,13 @@ def validate_py(args: list[str], spec: Path) -> tuple[dict, float]:
 def test_top1_equals_timm_validate_py(workspace, report):
     args = ["--data-dir", str(workspace / "images"), "--model", "eval_test_moe", "--checkpoint",
             str(workspace / "model.safetensors"), "--device", "cpu", "--workers", "0", "--no-prefetcher", "-b", "64",
-            "--input-size", "3", "32", "32"]
+            "--input-size", "3", "64", "64"]
     results, loss = validate_py(args, workspace / "spec.yaml")
     assert 0 < report.top1 < 100  # the predictions vary: a wrong preprocessing or class order would show
     assert (results["top1"], results["top5"]) == (round(report.top1, 4), round(report.top5, 4))
     assert loss == pytest.approx(report.loss, abs=1e-4)
     assert (results["img_size"], results["crop_pct"], results["interpolation"]) == (
-        32, report.data_config["crop_pct"], report.data_config["interpolation"])
+        64, report.data_config["crop_pct"], report.data_config["interpolation"])
 
 
 def test_the_figures_hold_together(report):
@@ -91,8 +83,8 @@ def test_the_figures_hold_together(report):
     assert [layer.path for layer in report.layers] == ["blocks.0.mlp", "blocks.1.mlp"]
     for layer in report.layers:
         assert sum(layer.load_share) == pytest.approx(1) and layer.drop_fraction == 0  # dropless top-2
-        assert layer.items == 24 * 5  # four patches and [CLS] per image
-    assert report.data_config["input_size"] == [3, 32, 32]
+        assert layer.items == 24 * 17  # 16 patches and [CLS] per image
+    assert report.data_config["input_size"] == [3, 64, 64]
     text = render(report, per_class=True)
     assert f"top-1 {report.top1:.3f}%" in text and "  c10: top-1" in text
 
@@ -140,10 +132,10 @@ def test_a_wrong_checkpoint_is_one_line(workspace, capsys, make, message):
 
 
 def test_a_folder_of_more_classes_than_the_head_is_refused(workspace, tmp_path):
-    for c in range(13):
+    for c in range(11):
         (tmp_path / f"k{c}").mkdir()
         Image.new("RGB", (8, 8)).save(tmp_path / f"k{c}" / "a.png")
-    with pytest.raises(MoespecError, match="13 class subfolders, but the model has 12 classes"):
+    with pytest.raises(MoespecError, match="11 class subfolders, but the model has 10 classes"):
         evaluate(load_classifier(workspace / "model.safetensors"), tmp_path)
 
 
