@@ -13,7 +13,7 @@ from typing import Annotated, Callable, List, Optional, Tuple
 import typer
 from rich.console import Console
 
-from .apps import compression, terminal, vmoe_command
+from .apps import compression, measure, terminal, vmoe_command
 from .apps.options import RANKS_HELP, Attention, Dispatch, DType, Format, HubFolder, MaxShardSize, OutputFile, Overwrite
 from .choices import MAX_POINTS, check_seed
 from .errors import MoespecError, SpecError
@@ -378,6 +378,7 @@ def inspect_command(
 
 compression.register(app, _run, out)  # prune, merge, densify
 vmoe_command.register(app, _run, out)  # import-vmoe
+measure.register(app, _run, out, lambda: _quiet)  # bench, eval
 
 
 @app.command("schema")

@@ -32,7 +32,8 @@ def test_importing_the_package_and_the_cli_imports_no_torch(code):
     assert imported_after(code) == NO_TORCH
 
 
-@pytest.mark.parametrize("args", [["--help"], ["validate", "--help"], ["schema"]])
+@pytest.mark.parametrize("args", [["--help"], ["validate", "--help"], ["schema"], ["bench", "--help"],
+                                  ["eval", "--help"]])
 def test_help_and_schema_import_no_torch(args):
     code = (f"from moespec.cli import app\ntry:\n    app({args!r})\nexcept SystemExit as exit:\n"
             f"    assert not exit.code, exit.code")
@@ -119,3 +120,10 @@ def test_plan_and_validate_fix_with_a_warm_cache_import_no_torch(tmp_path):
     assert stderr == "moespec: fixed: spec.yaml: moe.0.top_k: moved into the router\n"
     assert moespec.load_spec(tmp_path / "spec.yaml").moe[0].router.top_k == 2
     assert "top_k" in (tmp_path / "spec.yaml").read_text().split("router:", 1)[1]
+
+
+@pytest.mark.parametrize("args", [["bench", "absent.yaml"], ["eval", "absent.safetensors", "--images", "."]])
+def test_a_missing_source_of_bench_and_eval_is_refused_before_torch_is_imported(tmp_path, args):
+    code, imported, stderr = imported_by_command(args, tmp_path)
+    assert (code, imported) == (2, NO_TORCH), stderr
+    assert stderr == f"moespec: error: {args[1]}: no such spec, checkpoint or folder\n"

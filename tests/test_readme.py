@@ -28,7 +28,7 @@ RUN = ("bash", "python")
 
 PAGES = ("README.md", "docs/tour.md", "docs/usage.md", "docs/training.md", "docs/spec.md", "docs/layer.md",
          "docs/upcycling.md", "docs/counting.md", "docs/checkpoints.md", "docs/import.md", "docs/extending.md",
-         "docs/development.md", "docs/compress.md")
+         "docs/development.md", "docs/compress.md", "docs/detection.md")
 """The pages whose blocks run, in the order they run: the README's workflow first, then the details."""
 
 

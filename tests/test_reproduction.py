@@ -3,6 +3,7 @@
 match names a note, and the notes' hand calculations hold."""
 
 import importlib.util
+import json
 import re
 import sys
 from pathlib import Path
@@ -111,3 +112,38 @@ def test_the_notes_hand_calculations(tool):
     total = 393_728 + 6 * 2_202_564 + 2 * sparse_block + 1_024 + 513_000
     assert params("sparse_mlp_s")[0] == total == 22_907_416
     assert 77_224 + 77_028 + 2 * 262_656 == 679_564 and total - 2 * 679_564 == 21_548_288
+
+
+@pytest.fixture(scope="module")
+def throughput(tool):
+    spec = importlib.util.spec_from_file_location("moespec_throughput_tool", ROOT / "tools" / "throughput.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_moe_row_with_a_throughput_is_measured_or_says_why_not(tool, throughput):
+    """Each MoE row of the seeds' throughput columns names its dense row, and either its spec was benched
+    (tools/throughput.json holds it) or the row says why not."""
+    rows = {row["id"]: row for row in tool.seed_rows()}
+    measured = json.loads(throughput.RESULTS.read_text())
+    assert set(throughput.DENSE_OF) <= set(throughput.PRINTED) and set(throughput.PRINTED) <= set(rows)
+    for moe, dense in throughput.DENSE_OF.items():
+        assert rows[moe]["seed"] == rows[dense]["seed"] and rows[moe]["table"] == rows[dense]["table"]
+        spec = tool.row_of(rows[moe]).spec
+        assert (spec in measured) != (moe in throughput.NOT_MEASURED), (moe, spec)
+    assert set(measured) == set(throughput.MEASURED)
+
+
+def test_the_paper_ratio_is_moe_over_dense_throughput(throughput):
+    assert throughput.paper_ratio(13, "001") == pytest.approx(724 / 1083)
+    assert throughput.paper_ratio(171, "004") == pytest.approx(0.5 / 0.7)  # ms/img: dense ms over MoE ms
+    assert throughput.paper_ratio(11, "001") is None  # a dense row
+
+
+def test_the_throughput_section_is_what_the_tool_writes(tool):
+    """The page's last section is what tools/reproduction.py renders from tools/throughput.json (the rest of the
+    page, the counts, is checked by the slow test above)."""
+    page = tool.PAGE.read_text()
+    assert tool.with_throughput(page) == page
+    assert page.endswith(tool.throughput_section() + "\n")

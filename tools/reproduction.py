@@ -4,6 +4,7 @@
     python tools/reproduction.py            # print the page (markdown)
     python tools/reproduction.py --write    # write docs/reproduction.md
     python tools/reproduction.py --check    # exit 1 if docs/reproduction.md differs from what this prints
+    python tools/reproduction.py --throughput   # rewrite only its Throughput section (tools/throughput.py)
 
 `tools/seed_rows.json` lists the 295 rows of the four seed papers that print a parameter, activated-parameter or
 FLOP figure: seed, table, row, configuration, the figures as printed and their unit. Each row here names the spec
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import importlib.util
 import json
 import math
 import os
@@ -367,7 +369,25 @@ def render() -> str:
     lines, missing = table_lines(seed_rows())
     status = (f"{len(missing)} of the {len(seed_rows())} rows are not written here yet: ids "
               f"{', '.join(map(str, missing))}." if missing else "Every row is written.")
-    return "\n".join([HEADER.strip(), "", status, "", *lines, "", NOTES.strip(), ""])
+    return "\n".join([HEADER.strip(), "", status, "", *lines, "", NOTES.strip(), "", throughput_section(), ""])
+
+
+def throughput_section() -> str:
+    """The page's last section: the seeds' throughput column beside `moespec bench` (tools/throughput.py, its
+    measurements in tools/throughput.json)."""
+    spec = importlib.util.spec_from_file_location("moespec_throughput_tool", Path(__file__).parent / "throughput.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.section(seed_rows(), lambda row: (row_of(row) or Row()).spec)
+
+
+THROUGHPUT_HEADING = "\n## Throughput\n"
+
+
+def with_throughput(page: str) -> str:
+    """`page` with its Throughput section (the end of the page) written afresh, the rows above as they are."""
+    head = page.split(THROUGHPUT_HEADING, 1)[0].rstrip("\n")
+    return f"{head}\n\n{throughput_section()}\n"
 
 
 HEADER = """
@@ -493,7 +513,12 @@ def main(argv=None) -> int:
     parser.add_argument("--cache", type=Path, help="a JSON file of counts to read and extend (several runs at once "
                                                    "split the work with --ids; the check does not use it)")
     parser.add_argument("--ids", help="only count these rows (FIRST-LAST), into --cache; print nothing")
+    parser.add_argument("--throughput", action="store_true", help="write only the Throughput section of "
+                        "docs/reproduction.md afresh (after `tools/throughput.py --measure`), the rows not recounted")
     args = parser.parse_args(argv)
+    if args.throughput:
+        write_text(PAGE, with_throughput(PAGE.read_text()))
+        return 0
     global CACHE_FILE
     if args.cache is not None:
         CACHE_FILE = args.cache

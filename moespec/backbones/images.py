@@ -18,23 +18,26 @@ from ..errors import MoespecError
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm", ".pgm")
 
 
-def data_transform(model: nn.Module, input_size: tuple[int, int, int], name: str):
+def data_transform(model: nn.Module, input_size: tuple[int, int, int] | None, name: str, *,
+                   use_test_size: bool = False):
     """timm's eval transform for `model` (its pretrained_cfg: resize, crop, mean, std) at `input_size`; returns
-    (data config, transform). `name` (a spec file, a model) opens the error.
+    (data config, transform). `name` (a spec file, a model) opens the error. With `input_size` None, timm picks
+    the size from the pretrained_cfg: its `test_input_size` (and `test_crop_pct`) with `use_test_size`, as timm's
+    validate.py does, else its `input_size`.
 
     Images are read as timm's data pipeline reads them: RGB for a 3-channel model, grayscale ("L") for a
     1-channel one (`in_chans: 1`), normalized by the mean of the pretrained_cfg's per-channel mean and std.
     Other channel counts have no image mode to read into and are refused."""
-    input_size = tuple(input_size)
-    args: dict[str, Any] = {"input_size": input_size}
-    if input_size[0] == 1:
-        base = resolve_data_config(args, model=model)
+    args: dict[str, Any] = {} if input_size is None else {"input_size": tuple(input_size)}
+    base = resolve_data_config(args, model=model, use_test_size=use_test_size)
+    channels = base["input_size"][0]
+    if channels == 1:
         args.update(mean=(sum(base["mean"]) / len(base["mean"]),), std=(sum(base["std"]) / len(base["std"]),))
-    elif input_size[0] != 3:
-        raise MoespecError(f"{name}: the model takes {input_size[0]}-channel images (input_size "
-                           f"{list(input_size)}); moespec reads image files as RGB (3 channels) or grayscale "
+    elif channels != 3:
+        raise MoespecError(f"{name}: the model takes {channels}-channel images (input_size "
+                           f"{list(base['input_size'])}); moespec reads image files as RGB (3 channels) or grayscale "
                            f"(1 channel), as timm's data pipeline does")
-    config = resolve_data_config(args, model=model)
+    config = resolve_data_config(args, model=model, use_test_size=use_test_size)
     return config, create_transform(**config)
 
 

@@ -10,9 +10,9 @@
 from ..choices import STATS_FORMATS as FORMATS  # the renderers of `report.render`
 from .flops import FLOP_HANDLES, MacCount, count_macs, fvcore_handles, register_flop_handle
 from .ranks import RankStats, per_rank
-from .report import plan_table, rank_summary, render
+from .report import plan_table, rank_summary, render, tabulate
 from .stats import LayerStats, SpecStats, at_input_size, count_params, stats
 
 __all__ = ["FLOP_HANDLES", "FORMATS", "LayerStats", "MacCount", "RankStats", "SpecStats", "at_input_size", "count_macs",
            "count_params", "fvcore_handles", "per_rank", "plan_table", "rank_summary", "register_flop_handle", "render",
-           "stats"]
+           "stats", "tabulate"]

@@ -114,6 +114,13 @@ def render(records: Sequence[SpecStats], format: str, per_layer: bool = False,
     if ranks is not None:
         rows = [(*row, *rank_cells(r)) for row, r in zip(rows, ranks, strict=True)]
         columns, footer = (*columns, *RANK_COLUMNS), f"{footer} {RANK_FOOTER}"
+    return tabulate(columns, rows, format, footer, text_columns=2 + len(keys))
+
+
+def tabulate(columns: Sequence[str], rows: Sequence[Sequence[str]], format: str, footer: str = "",
+             text_columns: int = 1) -> str:
+    """Rows of cells as CSV, Markdown (with `footer` below) or a text table (`footer` as its caption; the first
+    `text_columns` columns left-aligned and never wrapped, the others right-aligned)."""
     if format == "csv":
         buffer = io.StringIO()
         writer = csv.writer(buffer, lineterminator="\n")
@@ -123,10 +130,10 @@ def render(records: Sequence[SpecStats], format: str, per_layer: bool = False,
     if format == "markdown":
         lines = ["| " + " | ".join(columns) + " |", "|" + "|".join("---" for _ in columns) + "|"]
         lines += ["| " + " | ".join(row) + " |" for row in rows]
-        return "\n".join(lines) + f"\n\n{footer}\n"
-    table = Table(caption=footer, caption_justify="left")
+        return "\n".join(lines) + (f"\n\n{footer}\n" if footer else "\n")
+    table = Table(caption=footer or None, caption_justify="left")
     for i, column in enumerate(columns):
-        text = i < 2 + len(keys)  # the name, the settings and the backbone
+        text = i < text_columns
         table.add_column(column, justify="left" if text else "right", no_wrap=text)
     for row in rows:
         table.add_row(*row)
