@@ -144,7 +144,7 @@ def test_validate_of_a_backbone_seen_before_imports_neither_torch_nor_timm(cache
     assert runs[0].stdout.splitlines()[0] == runs[1].stdout.splitlines()[0]  # the same "ok: ..." line
 
 
-@pytest.mark.parametrize("planted", ["fifo", "folder"])
+@pytest.mark.parametrize("planted", ["fifo", pytest.param("folder", marks=pytest.mark.slow)])  # 6 s each
 def test_an_entry_that_is_not_a_regular_file_is_skipped(cache, tmp_path, planted):
     """A fifo at the entry's path made `validate` wait for a writer until it was killed."""
     import os

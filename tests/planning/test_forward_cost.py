@@ -36,6 +36,7 @@ def _cli(tmp_path, *args: str) -> tuple:
     return measured_run([sys.executable, "-m", "moespec.cli", *args], timeout=120, env=env)
 
 
+@pytest.mark.slow  # 7.5 s: a subprocess upcycles at the largest size (CI runs it; inspect's sibling stays quick)
 def test_upcycle_at_the_largest_input_size_checks_layer_by_layer_in_bounded_memory(tmp_path):
     """`upcycle` compared the whole model's logits on a random batch at the spec's input size: at 16,384 px it
     allocated a 6.4 GB input, then the forward's activations (an internal error under a 6 GB limit), after

@@ -40,6 +40,7 @@ def test_a_checkpoint_too_small_for_its_spec_is_refused_before_any_real_build(tm
     assert built == [{"device": "meta"}]
 
 
+@pytest.mark.slow  # 6.5 s: the refusal timed and measured in a subprocess (CI runs it)
 def test_the_refusal_is_measured_in_seconds_and_megabytes(tmp_path):
     path = tiny_file_of_a_huge_spec(tmp_path)
     code = (f"import moespec\ntry:\n    moespec.load({str(path)!r})\nexcept moespec.errors.CheckpointError as e:\n"
