@@ -111,14 +111,14 @@ def _some(names: Sequence[str]) -> str:
 
 def _regular_file(path: Path) -> Path:
     """`path` if it is a regular file (a link to one is), else a CheckpointError that says what it is."""
-    what = _not_a_file(path)
+    what = not_a_file(path)
     if what is not None:
         raise CheckpointError(f"{path}: no such checkpoint file" if what == "missing" else
                               f"{path}: not a checkpoint file ({what})")
     return path
 
 
-def _not_a_file(path: Path) -> str | None:
+def not_a_file(path: Path) -> str | None:
     """None for a regular file (or a link to one), else what `path` is: "missing", "a folder", "a fifo"..."""
     try:
         mode = os.stat(path).st_mode
@@ -140,7 +140,7 @@ def read_json(file: Path, what: str) -> object:
     with os.fdopen(fd, "rb") as f:
         info = os.fstat(f.fileno())
         if not stat.S_ISREG(info.st_mode):
-            raise CheckpointError(f"{file}: not {what}: {_not_a_file(file)}, not a file")
+            raise CheckpointError(f"{file}: not {what}: {not_a_file(file)}, not a file")
         raw = f.read(MAX_INDEX_BYTES + 1)
     if len(raw) > MAX_INDEX_BYTES:
         raise CheckpointError(f"{file}: {info.st_size:,} bytes, more than {what} can be (at most "
@@ -171,7 +171,7 @@ def _read_index(index: Path) -> tuple[dict[str, str], list[Path]]:
     if not held:
         raise CheckpointError(f"{index}: a safetensors index that names no shard (its weight_map is empty)")
     files = sorted(index.parent / name for name in held)
-    unreadable = {f.name: what for f in files if (what := _not_a_file(f)) is not None}
+    unreadable = {f.name: what for f in files if (what := not_a_file(f)) is not None}
     if unreadable:
         named = [name if what == "missing" else f"{name} ({what}, not a file)" for name, what in unreadable.items()]
         missing = "missing" if set(unreadable.values()) == {"missing"} else "missing or not files"

@@ -18,7 +18,6 @@ from the file into it, so memory is bounded by the largest tensor.
 from __future__ import annotations
 
 import os
-import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, Iterator
@@ -27,6 +26,7 @@ import msgpack
 import numpy as np
 
 from ..errors import CheckpointError
+from .sharding import not_a_file
 
 VERSIONS = (None, "20220622")
 """The index layouts read: vmoe's before 2022-06-22 (no version), and its "V1"."""
@@ -122,7 +122,7 @@ class LegacyCheckpoint:
     def _scan(self, shard: int, file: Path) -> None:
         """Note where each chunk of `file` lies, holding one chunk at a time."""
         by_leaf = {str(i): entry for i, entry in enumerate(self.entries)}
-        what = _not_a_file(file)
+        what = not_a_file(file)
         if what is not None:
             needed = next(entry.name for entry in self.entries if shard in entry.shards)
             raise CheckpointError(f"{file}: {what}: the shard {shard} of "
@@ -307,7 +307,7 @@ def _flatten(tree: dict, prefix: str = "") -> Iterator[tuple[str, Any]]:
 
 
 def _read_index_bytes(index: Path) -> bytes:
-    what = _not_a_file(index)
+    what = not_a_file(index)
     if what is not None:
         raise CheckpointError(f"{index}: no such vmoe checkpoint index" if what == "missing" else
                               f"{index}: not a vmoe checkpoint index ({what})")
@@ -318,13 +318,7 @@ def _read_index_bytes(index: Path) -> bytes:
     return data
 
 
-def _not_a_file(path: Path) -> str | None:
-    """None for a regular file, else "missing", "a folder", "a fifo", ..."""
-    try:
-        mode = os.stat(path).st_mode
-    except FileNotFoundError:
-        return "missing"
-    return None if stat.S_ISREG(mode) else "a folder" if stat.S_ISDIR(mode) else "not a regular file"
+
 
 
 def _size(chunk: Slices) -> int:
