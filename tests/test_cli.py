@@ -185,7 +185,7 @@ def test_stats_json(cli):
     keys = ["name", "spec", "backbone", "input_size", "total_params", "activated_params", "dense_params", "gmacs",
             "dense_gmacs", "moe_layers", "experts_total", "layers", "eval_activated_params", "eval_gmacs",
             "dispatch_flops", "attention_matmuls"]  # the counting conventions (issue 51): the defaults here
-    for record, path in zip(records, SPEC_FILES):
+    for record, path in zip(records, SPEC_FILES, strict=True):
         assert list(record) == keys
         routers = [entry.get("router", {}) for entry in yaml.safe_load(path.read_text()).get("moe") or []]
         overrides = {key for router in routers for key in ("eval_top_k", "eval_capacity_factor") if key in router}
