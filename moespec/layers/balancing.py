@@ -46,7 +46,7 @@ def step_biases(layers: list[tuple[str, nn.Module]], group=None) -> int:
     for name, layer in layers:
         balance = _balance(layer)
         if balance is not None:
-            own = group if group is not None else layer.experts.transport.group
+            own = group if group is not None else layer.experts.transport.stats
             by_group.setdefault(own if own is not None else _world(), []).append((name, balance))
     for own, balances in by_group.items():  # one collective per group, in module order on every rank
         loads = all_reduce_sum([balance.tokens_per_expert for _, balance in balances], own)

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from ..errors import MoespecError
 from .balancing import BIAS_ON_STEP
 from .experts import Experts
 from .interfaces import MoELayer, Router
@@ -75,7 +76,7 @@ class MoE(MoELayer):
             groups = torch.arange(images, device=x.device).repeat_interleave(items_per_image(items.shape[0], images))
         mode = Mode.of(items, self.experts)  # how this call runs, decided once: it travels with the routed rows
         routing = self.router.route(items, images, mode)
-        routing.group = self.experts.transport.group  # expert parallel: global aux losses, statistics
+        routing.group = self.experts.transport.stats  # data or expert parallel: global aux losses, statistics
         if self.training:
             BIAS_ON_STEP.on_forward(self)  # a balancing bias moves after the optimizer's step (`balancing`)
         static = mode.exporting
@@ -299,8 +300,26 @@ def aux_loss(model: nn.Module) -> torch.Tensor:
     `aux_loss_in_backward` already send their loss's gradient in backward; their part is returned detached
     (for logging), so adding it as well does not count it twice.
     """
-    losses = [loss.detach() if m.aux_loss_in_backward else loss for m in model.modules()
-              if isinstance(m, MoE) and (loss := m.weighted_aux_loss()) is not None]
+    layers = [m for m in model.modules() if isinstance(m, MoE)]
+    losses = [loss.detach() if m.aux_loss_in_backward else loss for m in layers
+              if (loss := m.weighted_aux_loss()) is not None]
     if not losses:
         return torch.zeros(())
+    _check_sharded(model, layers)
     return torch.stack(losses).sum()
+
+
+def _check_sharded(model: nn.Module, layers: list[nn.Module]) -> None:
+    """Under FSDP2 the ranks train one model on slices of one batch, and an aux loss of this rank's statistics
+    alone is not the whole batch's (the balance terms are products of batch means): refused, naming the call
+    that sums them over every rank. (A plain DistributedDataParallel keeps the per-rank losses, as before.)"""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()) \
+            or torch.distributed.get_world_size() == 1 or all(m.experts.transport.stats is not None for m in layers):
+        return
+    from torch.distributed.fsdp import FSDPModule
+    if any(isinstance(m, FSDPModule) for m in model.modules()):
+        raise MoespecError("moespec.aux_loss: this model is sharded by fully_shard, and its MoE layers' aux losses are "
+                           "each rank's own, not those of the whole batch; lay it out with "
+                           "moespec.distributed.parallelize(model, mesh, data='fsdp') (a mesh of (dp=world, ep=1) "
+                           "shards every expert as fully_shard does), which sums the routing statistics over every "
+                           "rank")

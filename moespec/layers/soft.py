@@ -140,7 +140,7 @@ class SoftMoE(MoELayer):
         if self.last_dispatch is None:
             return None
         top1 = self.last_dispatch.max(dim=1).values.detach().double()
-        group = self.experts.transport.group  # expert parallel: every rank's batch
+        group = self.experts.transport.stats  # data or expert parallel: every rank's batch
         images, gate, units = all_reduce_sum([top1.new_tensor(self.last_images), top1.sum(),
                                               top1.new_tensor(top1.numel())], group)
         return {

@@ -16,9 +16,12 @@ of the model is replicated. One forward of a token-choice bank (rows sorted by g
 
 Soft MoE's slots are the same number for every expert, so its bank exchanges even splits and no counts.
 Transport is torch.distributed's `all_to_all_single` (gloo on CPU, NCCL on GPU); `ops.collectives.AllToAll` only
-makes it differentiable. Every rank runs every collective, also with no rows, or the job would hang. The aux
-losses and routing statistics of a sharded layer sum over the group (`group`), so that they equal those of one
-process on the whole batch.
+makes it differentiable. Every rank runs every collective, also with no rows, or the job would hang.
+
+Two groups, which differ on a 2-D mesh (`moespec.distributed.parallelize`): `group`, the expert-parallel ranks
+the rows travel over, and `stats`, every rank whose batch is a slice of the global batch: the aux losses and
+routing statistics sum over it, so that they equal those of one process on the whole batch (None: this
+process's own, as in one process or under a plain DistributedDataParallel).
 """
 
 from __future__ import annotations
@@ -37,8 +40,11 @@ class Local:
     """The bank holds every expert: the rows go straight to its step."""
 
     local = True  # the rows stay on this rank: a step may fuse the gather and the combine around its matmuls
-    group = None  # aux losses and routing statistics are this process's own
+    group = None  # no rows travel
     first = 0
+
+    def __init__(self, stats: dist.ProcessGroup | None = None):
+        self.stats = stats  # where aux losses and routing statistics sum (None: this process's own)
 
     def run(self, bank, x: torch.Tensor, segments: Segments, groups: torch.Tensor | None, mode: Mode,
             step: str | None = None) -> torch.Tensor:
@@ -53,7 +59,7 @@ class Local:
         return params
 
     def __repr__(self) -> str:
-        return "Local()"
+        return "Local()" if self.stats is None else f"Local(statistics over {dist.get_world_size(self.stats)} ranks)"
 
 
 LOCAL = Local()
@@ -61,19 +67,27 @@ LOCAL = Local()
 
 class AllToAll(Local):
     """Rows travel to the rank that holds their expert over `group` and back (the module docstring's steps).
-    `first`: the global index of this rank's first expert."""
+    `first`: the global index of this rank's first expert; `stats`: the ranks whose batches make the global
+    batch (default: every rank); `replicas`: the ranks that hold the same experts (one per expert-parallel group;
+    None where the group spans every rank), over which their gradients are averaged
+    (`moespec.distributed.replicas`), as the replicated weights' are."""
 
     local = False
 
-    def __init__(self, group: dist.ProcessGroup, first: int):
-        self.group, self.first = group, first
+    def __init__(self, group: dist.ProcessGroup, first: int, stats: dist.ProcessGroup | None = None,
+                 replicas: dist.ProcessGroup | None = None):
+        super().__init__(stats if stats is not None else group)
+        self.group, self.first, self.replicas = group, first, replicas
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.check = None  # called with the bank before each exchange: refuses a wrapping that mixes experts
 
     def run(self, bank, x: torch.Tensor, segments: Segments, groups: torch.Tensor | None, mode: Mode,
             step: str | None = None) -> torch.Tensor:
         """Rows `x` [S, C] sorted by global expert (`segments`: counts [E]); returns their expert outputs [S, C']
         in the same order, computed on the ranks that hold the experts; dropped rows stay here with output 0.
         The received rows choose their own step (`step`, chosen for the rows sent, does not apply to them)."""
+        if self.check is not None:
+            self.check(bank)
         world, local = self.world, bank.local_experts
         counts = segments.counts
         received = torch.empty_like(counts)
@@ -104,6 +118,8 @@ class AllToAll(Local):
     def batched(self, bank, x: torch.Tensor, mode: Mode) -> torch.Tensor:
         """Expert e on every row of x[e], x [E, M, C] with the same M on every rank (Soft MoE's slots): even
         splits, no counts exchange."""
+        if self.check is not None:
+            self.check(bank)
         world, local = self.world, bank.local_experts
         experts, slots, dim = x.shape
         splits = [local * slots] * world
@@ -121,13 +137,16 @@ class AllToAll(Local):
         return [None if p is None else ScaleGrad.apply(p, 1.0 / self.world) for p in params]
 
     def __repr__(self) -> str:
-        return f"AllToAll(rank {self.rank} of {self.world}, first expert {self.first})"
+        replicas = f", {dist.get_world_size(self.replicas)} replicas" if self.replicas is not None else ""
+        return f"AllToAll(rank {self.rank} of {self.world}, first expert {self.first}{replicas})"
 
 
-def shard_bank(bank: nn.Module, group: dist.ProcessGroup) -> nn.Module:
+def shard_bank(bank: nn.Module, group: dist.ProcessGroup, stats: dist.ProcessGroup | None = None,
+               replicas: dist.ProcessGroup | None = None) -> nn.Module:
     """Keep only this rank's experts [first, first + E/W) of `bank` (in place; its stacked parameters sliced
     and copied, so that the whole ones can be freed; its buffers, the same for every expert, whole) and send
-    its rows over `group` (`AllToAll`). `num_experts` stays the global E, what the layer routes to."""
+    its rows over `group` (`AllToAll`, with `stats` and `replicas`). `num_experts` stays the global E, what the
+    layer routes to."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     local = bank.num_experts // world
     first = rank * local
@@ -135,7 +154,7 @@ def shard_bank(bank: nn.Module, group: dist.ProcessGroup) -> nn.Module:
         module, _, attr = name.rpartition(".")
         piece = source.detach()[first: first + local].clone()
         setattr(bank.get_submodule(module), attr, nn.Parameter(piece, requires_grad=source.requires_grad))
-    bank.transport = AllToAll(group, first)
+    bank.transport = AllToAll(group, first, stats, replicas)
     return bank
 
 
