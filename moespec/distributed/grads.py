@@ -7,6 +7,7 @@ import math
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from .sharding import expert_group, expert_parameters
 
@@ -21,7 +22,7 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
     group = expert_group(model)
     norm_type = float(norm_type)
     grads = [p.grad for p in experts + replicated if p.grad is not None]
-    like = grads[0] if grads else next(model.parameters())  # device and dtype of the norms
+    like = _local(grads[0] if grads else next(model.parameters()))  # device and dtype of the norms
     local = _norm([p.grad for p in experts if p.grad is not None], norm_type, like)
     shared = _norm([p.grad for p in replicated if p.grad is not None], norm_type, like)
     if group is not None:  # the experts' part of the norm, from every rank
@@ -35,7 +36,7 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
         torch.linalg.vector_norm(torch.stack([local, shared]), norm_type)
     coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for grad in grads:
-        grad.mul_(coefficient)
+        (grad.to_local() if isinstance(grad, DTensor) else grad).mul_(coefficient)  # FSDP2's: its own shard
     return total
 
 
@@ -43,5 +44,14 @@ def _norm(grads: list[torch.Tensor], norm_type: float, like: torch.Tensor) -> to
     """The norm of the gradients taken together (0 for none), on `like`'s device and in its dtype."""
     if not grads:
         return like.new_zeros(())
-    norms = [torch.linalg.vector_norm(g, norm_type).to(like.device, like.dtype) for g in grads]
+    norms = [_whole(torch.linalg.vector_norm(g, norm_type)).to(like.device, like.dtype) for g in grads]
     return torch.linalg.vector_norm(torch.stack(norms), norm_type)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _whole(norm: torch.Tensor) -> torch.Tensor:
+    """The norm of an FSDP2-sharded gradient over all its shards (a collective); a plain one as it is."""
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm

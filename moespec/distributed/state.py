@@ -38,14 +38,20 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from ..errors import CheckpointError, MoespecError
 from ..io import check_output
 from ..io.atomic import OWNER, dead_owner, default_mode, foreign, owner_tag, possible_pid
 from ..weights import check_buffers, spec_metadata
+from ..weights.checkpoint import unwrapped
 from .sharding import expert_group, expert_slices
 from .state_reading import (
     EXTRA,
@@ -84,7 +90,7 @@ def save_state(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimi
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.save(_training_state(model, optimizer), checkpoint_id=str(tmp))
         if writer:
-            spec = getattr(model, "moespec_spec", None)
+            spec = getattr(unwrapped(model), "moespec_spec", None)
             try:
                 if spec is not None:
                     (tmp / SPEC_FILE).write_text(json.dumps({**spec_metadata(spec), SPEC_NAME_KEY: spec.name}))
@@ -117,11 +123,12 @@ def load_state(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimi
     if dist.is_initialized():
         dist.barrier()
     extra, saved, metadata = _on_every_rank(lambda: _read_state_files(path))
-    state = _training_state(model, optimizer)
-    buffers = {name for name, _ in model.named_buffers()}  # read into copies: checked before the model gets them
+    state, layouts = _training_state(model, optimizer, layouts=True)
+    inner = unwrapped(model)
+    buffers = {name for name, _ in inner.named_buffers()}  # read into copies: checked before the model gets them
     state["model"] = {name: t.clone() if name in buffers and not isinstance(t, DTensor) else t
                       for name, t in state["model"].items()}
-    planner = _SafeLoadPlanner(path, _spec_mismatch(saved, getattr(model, "moespec_spec", None)))
+    planner = _SafeLoadPlanner(path, _spec_mismatch(saved, getattr(inner, "moespec_spec", None)))
     try:
         with warnings.catch_warnings():  # in one process DCP warns that it loads without torch.distributed
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -129,11 +136,12 @@ def load_state(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimi
     except CheckpointException as error:
         raise _clean_error(path, error, "cannot read the training state", "; is the folder complete, as save_state "
                                                                           "wrote it?") from None
-    loaded = {name: _local(t) for name, t in state["model"].items()}
-    check_buffers([(name, loaded[name]) for name, _ in model.named_buffers() if name in loaded], str(path))
-    model.load_state_dict(loaded)
+    loaded = {name: _placed(t, layouts, name) for name, t in state["model"].items()}
+    check_buffers([(name, _local(loaded[name])) for name, _ in inner.named_buffers() if name in loaded], str(path))
+    set_model_state_dict(model, loaded)
     optim = state["optim"]
-    optim["state"] = {name: {k: _local(v) for k, v in moments.items()} for name, moments in optim["state"].items()}
+    optim["state"] = {name: {k: _placed(v, layouts, name) if torch.is_tensor(v) and v.dim() else v
+                             for k, v in moments.items()} for name, moments in optim["state"].items()}
     set_optimizer_state_dict(model, optimizer, optim)
     return extra
 
@@ -305,19 +313,43 @@ def _os_reason(error: OSError) -> str:
 
 # -- the state dict --------------------------------------------------------------------------------------------
 
-def _training_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-    """{"model", "optim"} state dicts by parameter name; under expert parallelism the sharded tensors are
-    wrapped as DTensors on a 1-D mesh of the expert group."""
-    slices = expert_slices(model)
+def _training_state(model: nn.Module, optimizer: torch.optim.Optimizer, layouts: bool = False):
+    """{"model", "optim"} state dicts by parameter name, as DCP saves them at any world size: a DDP's inner
+    names, FSDP2's DTensors as they are; under expert parallelism the sharded experts (made whole over their
+    replicas first where FSDP2 shards them, `parallelize(..., data="fsdp")`) wrapped as DTensors sharded on the
+    expert axis over a 1-D mesh of the expert group (every group writes the same, which DCP writes once).
+    With `layouts`, also {name: (mesh, placements) where FSDP2 shards it, else None} of the sharded experts,
+    to put them back (`_placed`)."""
+    inner = unwrapped(model)
+    slices = expert_slices(inner)
     optim = get_optimizer_state_dict(model, optimizer)
-    model_state = model.state_dict()
-    if not slices:
-        return {"model": model_state, "optim": optim}
-    mesh = DeviceMesh.from_group(expert_group(model), next(model.parameters()).device.type)
-    model_state = {name: _sharded(t, mesh) if name in slices else t for name, t in model_state.items()}
-    optim["state"] = {name: {k: _sharded(v, mesh) if name in slices and torch.is_tensor(v) and v.dim() else v
-                             for k, v in moments.items()} for name, moments in optim["state"].items()}
-    return {"model": model_state, "optim": optim}
+    model_state = get_model_state_dict(model)
+    found: dict[str, tuple] = {}
+    if slices:
+        mesh = DeviceMesh.from_group(expert_group(inner), next(inner.parameters()).device.type)
+        for name in slices:
+            t = model_state[name]
+            found[name] = (t.device_mesh, t.placements) if isinstance(t, DTensor) else None
+        model_state = {name: _sharded(_whole(t), mesh) if name in slices else t for name, t in model_state.items()}
+        optim["state"] = {name: {k: _sharded(_whole(v), mesh) if name in slices and torch.is_tensor(v) and v.dim()
+                                 else v for k, v in moments.items()} for name, moments in optim["state"].items()}
+    state = {"model": model_state, "optim": optim}
+    return (state, found) if layouts else state
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    """An FSDP2-sharded tensor gathered over its mesh (a collective); a plain one as it is."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _placed(t, layouts: dict[str, tuple | None], name: str):
+    """A loaded tensor as the model holds it: an expert shard as this rank's local tensor, sharded again where
+    FSDP2 shards it (its mesh and placements; every replica read the same, so no data moves); the rest as DCP
+    read it (FSDP2's own DTensors, or plain tensors)."""
+    if name not in layouts:
+        return t
+    layout = layouts[name]
+    return _local(t) if layout is None else distribute_tensor(_local(t), layout[0], layout[1], src_data_rank=None)
 
 
 def _sharded(local: torch.Tensor, mesh: DeviceMesh) -> DTensor:

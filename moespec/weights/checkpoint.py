@@ -13,6 +13,8 @@ from typing import Iterable
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
 
 from ..backbones import create_backbone
 from ..compiler import create_model
@@ -42,56 +44,87 @@ def save(model: nn.Module, path: str | Path, *, force: bool = False, dtype: torc
 
     A model whose experts are sharded over ranks (`moespec.distributed.shard_experts`) is saved by a collective
     call on every rank: rank 0 writes the same file one process writes, so that it loads at any world size."""
+    model = unwrapped(model)
     spec = getattr(model, "moespec_spec", None)
     if spec is None:
         raise MoespecError("this model was not built by moespec (no spec attached); build it with moespec.create_model")
     spec, head = spec_of_head(model, spec)
     state = model.state_dict()
-    banks = sharded_banks(model)
-    if banks:
-        return _save_sharded(model, state, banks, path, spec, force=force, dtype=dtype, max_shard_size=max_shard_size)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        return _save_distributed(model, state, path, {**spec_metadata(spec), **head}, force=force, dtype=dtype,
+                                 max_shard_size=max_shard_size)
     infos = [TensorInfo(name, tuple(t.shape), output_dtype(t.dtype, dtype)) for name, t in state.items()]
     write_sharded(path, infos, lambda info: state[info.name].to(info.dtype), {**spec_metadata(spec), **head},
                   max_shard_size=max_shard_size, force=force)
     return Path(path)
 
 
-def _save_sharded(model: nn.Module, state: dict[str, torch.Tensor], banks: dict[str, nn.Module],
-                  path: str | Path, spec: Spec, *, force: bool, dtype: torch.dtype | None,
-                  max_shard_size: int) -> Path:
-    """`save` of a model whose experts are sharded over ranks (a collective): rank 0 writes the file one
-    process writes, gathering each expert tensor from the ranks as it reaches it, one at a time."""
+def unwrapped(model: nn.Module) -> nn.Module:
+    """The model inside a DistributedDataParallel (FSDP2 shards a model in place: it is its own)."""
+    return model.module if isinstance(model, DistributedDataParallel) else model
+
+
+def _save_distributed(model: nn.Module, state: dict[str, torch.Tensor], path: str | Path, metadata: dict[str, str],
+                      *, force: bool, dtype: torch.dtype | None, max_shard_size: int) -> Path:
+    """`save` under torch.distributed (a collective): rank 0 writes the file one process writes, each tensor
+    made whole as it reaches it, one at a time: FSDP2's shards all-gathered (`full_tensor`, on every rank),
+    then a sharded bank's experts gathered from the expert-parallel group that holds rank 0 (the other groups
+    hold copies). A failure on any rank fails every rank with its message, after the collectives the others
+    wait in have run."""
+    banks = sharded_banks(model)
     owner = {name: bank for prefix, bank in banks.items() for name in state if name.startswith(prefix + ".")}
-    group = next(iter(banks.values())).transport.group
-    world, root = dist.get_world_size(group), dist.get_global_rank(group, 0)
-    writer = dist.get_rank() == root
+    group = next(iter(banks.values())).transport.group if banks else None
+    world = dist.get_world_size(group) if group is not None else 1
+    writer = dist.get_rank() == 0
+    gathers = group is not None and 0 in dist.get_process_group_ranks(group)
     problem = [None]
     if writer:  # refuse before any collective, so that no rank waits on a gather that never comes
         try:
             refuse_existing(check_checkpoint_output(path, force), force)
         except MoespecError as error:
             problem[0] = str(error)
-    dist.broadcast_object_list(problem, src=root, group=group)
+    dist.broadcast_object_list(problem, src=0)
     if problem[0] is not None:
         raise MoespecError(problem[0])
     infos = [TensorInfo(name, (t.shape[0] * world, *t.shape[1:]) if name in owner else tuple(t.shape),
                         output_dtype(t.dtype, dtype)) for name, t in state.items()]
+    made = [0]
 
     def tensor(info: TensorInfo) -> torch.Tensor:
-        local = state[info.name].to(info.dtype).contiguous()
-        if info.name not in owner:
+        made[0] += 1
+        local = state[info.name]
+        local = (local.full_tensor() if isinstance(local, DTensor) else local).to(info.dtype).contiguous()
+        if info.name not in owner or not gathers:
             return local
         pieces = [torch.empty_like(local) for _ in range(world)] if writer else None
-        dist.gather(local, pieces, dst=root, group=group)
+        dist.gather(local, pieces, dst=0, group=group)
         return torch.cat(pieces) if writer else local
 
-    if writer:
-        write_sharded(path, infos, tensor, spec_metadata(spec), max_shard_size=max_shard_size, force=force)
-    else:
-        for info in infos:
-            tensor(info)
-    dist.barrier(group=group)  # every rank returns once the file is there
+    error = None
+    try:
+        if writer:
+            write_sharded(path, infos, tensor, metadata, max_shard_size=max_shard_size, force=force)
+    except Exception as failed:  # the others wait in the rest of the collectives: run them, then say why
+        error = failed
+    for info in infos[made[0]:]:
+        tensor(info)
+    agree(error, f"{path}: moespec.save")
     return Path(path)
+
+
+def agree(error: Exception | None, what: str) -> None:
+    """Every rank learns whether any rank failed (a collective): each raises the lowest failing rank's error
+    (a MoespecError with its message), rather than one raising while the others wait in the next collective."""
+    found: list[str | None] = [None] * dist.get_world_size()
+    mine = None if error is None else str(error) if isinstance(error, MoespecError) else \
+        f"{what}: {type(error).__name__}: {error}"
+    dist.all_gather_object(found, mine)
+    failed = next(((rank, message) for rank, message in enumerate(found) if message is not None), None)
+    if failed is None:
+        return
+    if isinstance(error, MoespecError) and failed[0] == dist.get_rank():
+        raise error
+    raise MoespecError(failed[1])
 
 
 POOL_KEY = "moespec.global_pool"

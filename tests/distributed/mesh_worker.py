@@ -12,6 +12,7 @@ the error the wrapping raised).
     shard-fsdp-ignored                  shard_experts, then fully_shard per block and root, experts ignored
     shard-fsdp-own-mesh                 shard_experts, then fully_shard of each bank over mesh["dp"] (torchtitan)
     shard-fsdp-plain                    shard_experts, then a plain fully_shard per block and root
+    shard-uneven                        shard_experts over groups of 3 and 1 ranks
     zero3                               fully_shard per block and root of the unsharded model
 """
 
@@ -71,6 +72,9 @@ def wrap(model, wrapping: str, mesh):
             fully_shard(block)
         fully_shard(model)
         return model, model
+    if wrapping == "shard-uneven":  # ranks 0-2 in one group, rank 3 alone: refused on every rank
+        groups = [dist.new_group([0, 1, 2]), dist.new_group([3])]
+        md.shard_experts(model, group=groups[dist.get_rank() == 3])
     md.shard_experts(model, group=ep.get_group())
     if wrapping == "shard-ddp":
         return DistributedDataParallel(model), model
