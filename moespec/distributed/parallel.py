@@ -30,6 +30,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ..compiler import moe_layers
 from ..errors import MoespecError
 from ..layers.steps.transport import Local, sharded_banks
+from .replicas import ReplicaMean
 from .sharding import require_process_group, shard_over
 
 DATA = ("ddp", "fsdp")
@@ -73,13 +74,16 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, data: str = "fsdp") -> nn.Mo
         device = next(model.parameters()).device
         return DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
     everyone = _flat(mesh)
+    scalars = [p for p in model.parameters() if p.dim() == 0]  # FSDP2 shards none: averaged as DDP would
     for layer in moe_layers(model).values():  # the experts over their replicas, each bank its own FSDP module
-        fully_shard(layer.experts, mesh=dp)
+        fully_shard(layer.experts, mesh=dp, ignored_params=set(scalars))
         for name in BANK_ENTRIES:
             register_fsdp_forward_method(layer.experts, name)
     for block in blocks(model):
-        fully_shard(block, mesh=everyone)
-    fully_shard(model, mesh=everyone)
+        fully_shard(block, mesh=everyone, ignored_params=set(scalars))
+    fully_shard(model, mesh=everyone, ignored_params=set(scalars))
+    if scalars:
+        ReplicaMean(scalars, dist.group.WORLD)
     return model
 
 

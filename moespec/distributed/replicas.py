@@ -19,15 +19,14 @@ from torch import nn
 
 
 class ReplicaMean:
-    """Averages the gradients of `banks`' parameters over `group` after every backward that reaches them."""
+    """Averages the gradients of `params` over `group` after every backward that reaches them (also what
+    `parallelize` does for the scalar parameters FSDP2 cannot shard, such as Soft MoE's scale)."""
 
-    def __init__(self, banks: list[nn.Module], group: dist.ProcessGroup):
-        self.params = [p for bank in banks for p in bank.parameters() if p.requires_grad]
+    def __init__(self, params: list[nn.Parameter], group: dist.ProcessGroup):
+        self.params = [p for p in params if p.requires_grad]
         self.group, self.queued = group, False
         for param in self.params:
             param.register_post_accumulate_grad_hook(self._reached)
-        for bank in banks:
-            bank.transport.replica_mean = self
 
     def _reached(self, _param: torch.Tensor) -> None:
         if not self.queued:

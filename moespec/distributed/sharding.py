@@ -65,7 +65,7 @@ def shard_over(model: nn.Module, group: dist.ProcessGroup | None, *, average_rep
         layer.experts.transport.check = WrappingCheck(model, f"{path}.experts", layer.experts)
         ignored += [f"{path}.experts.{name}" for name, _ in layer.experts.named_parameters()]
     if replicas is not None and average_replicas:
-        ReplicaMean(list(sharded_banks(model).values()), replicas)
+        ReplicaMean([p for bank in sharded_banks(model).values() for p in bank.parameters()], replicas)
     DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignored)
     return model
 

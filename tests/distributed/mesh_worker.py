@@ -48,6 +48,9 @@ SPECS = {
     "two-experts": [{"where": {"every": 1}, "experts": 2, "top_k": 1, "aux_loss": {"kind": "importance_load"}}],
     "bias": [{"where": {"every": 1}, "experts": 4, "aux_loss": {"kind": "z_loss"}, "router": {
         "kind": "topk", "top_k": 2, "score": "sigmoid", "bias_balance": {"rate": 0.01}}}],
+    "soft": [{"where": {"every": 1}, "experts": 4, "router": {"kind": "soft", "slots_per_expert": 2}}],
+    "expert-choice": [{"where": {"every": 1}, "experts": 4, "shared_experts": 1,
+                       "router": {"kind": "expert_choice", "capacity": 1.0}}],
 }
 
 

@@ -25,6 +25,8 @@ TOLERANCE = 1e-5  # the issue's bar (float64 reaches 1e-12 here)
 
 EQUAL = [f"parallelize-{data}:{mesh}:{spec}" for data in ("ddp", "fsdp") for mesh in ("2:2", "1:4", "4:1")
          for spec in ("switch", "two-experts", "bias") if (mesh, spec) != ("1:4", "two-experts")]  # E=2 < 4
+EQUAL += [f"parallelize-{data}:2:2:{spec}" for data in ("ddp", "fsdp") for spec in ("soft", "expert-choice")]
+EQUAL += ["parallelize-fsdp:4:1:soft"]
 EQUAL += ["shard-ddp:2:2", "shard-ddp:1:4", "shard-ddp:4:1:two-experts", "shard-ddp:2:2:two-experts",
           "shard-fsdp-ignored:2:2", "shard-fsdp-own-mesh:2:2"]
 REFUSED = ["shard-fsdp-plain:2:2", "zero3:2:2", "shard-uneven:2:2"]
