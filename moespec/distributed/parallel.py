@@ -31,7 +31,7 @@ from ..compiler import moe_layers
 from ..errors import MoespecError
 from ..layers.steps.transport import Local, sharded_banks
 from .replicas import ReplicaMean
-from .sharding import require_process_group, shard_over
+from .sharding import expert_group, require_process_group, shard_over
 
 DATA = ("ddp", "fsdp")
 BANK_ENTRIES = ("combine", "batched")  # the bank methods its layer calls: FSDP2 unshards around them
@@ -40,8 +40,10 @@ BANK_ENTRIES = ("combine", "batched")  # the bank methods its layer calls: FSDP2
 def parallelize(model: nn.Module, mesh: DeviceMesh, data: str = "fsdp") -> nn.Module:
     """Expert parallelism over `mesh["ep"]` and data parallelism (`data`: "ddp" or "fsdp") over the rest, on a
     `DeviceMesh` whose dims are named `dp` and `ep` (either may be 1; the module docstring says what each
-    holds). A collective: every rank calls it with the same spec. Returns the model to train, build the
-    optimizer from (a DistributedDataParallel for "ddp"; the model itself, sharded in place, for "fsdp")."""
+    holds). A collective: every rank calls it with the same spec. The model is the one moespec built, or one
+    whose experts `moespec.distributed.load` / `upcycle` read already sharded over `mesh["ep"]` (`group=`).
+    Returns the model to train, build the optimizer from (a DistributedDataParallel for "ddp"; the model
+    itself, sharded in place, for "fsdp")."""
     require_process_group("parallelize")
     if data not in DATA:
         raise MoespecError(f"parallelize: data={data!r}; allowed: {', '.join(map(repr, DATA))}")
@@ -57,12 +59,17 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, data: str = "fsdp") -> nn.Mo
                                                                        for m in model.modules()):
         raise MoespecError("parallelize: the model is already wrapped (DDP or fully_shard); give parallelize the model "
                            "moespec built, before any wrapping")
-    if sharded_banks(model):
-        raise MoespecError("parallelize: this model's experts are already sharded (shard_experts); give parallelize "
-                           "the model moespec built: it shards the experts itself")
     dp, ep = mesh["dp"], mesh["ep"]
     fsdp = data == "fsdp"
-    if ep.size() > 1:
+    if sharded_banks(model):  # by moespec.distributed.load or upcycle (each rank read only its experts)
+        ranks = sorted(dist.get_process_group_ranks(expert_group(model)))
+        wanted = sorted(dist.get_process_group_ranks(ep.get_group()))
+        if ranks != wanted:
+            raise MoespecError(f"parallelize: this model's experts are already sharded over ranks {ranks}, but this "
+                               f"rank's row of the mesh's ep dim is {wanted}; shard them over mesh['ep'] "
+                               f"(moespec.distributed.load(path, group=mesh['ep'].get_group())), or give parallelize "
+                               f"the unsharded model")
+    elif ep.size() > 1:
         shard_over(model, ep.get_group(), average_replicas=not fsdp)
     else:  # every rank holds every expert: the rows stay, the statistics are still global
         if getattr(model, "moespec_spec", None) is None:

@@ -15,6 +15,7 @@ level); this layer only moves rows. `SoftMoE` (soft.py) is the one layer with it
 
 from __future__ import annotations
 
+import sys
 import warnings
 import weakref
 from typing import Callable
@@ -316,8 +317,8 @@ def _check_sharded(model: nn.Module, layers: list[nn.Module]) -> None:
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()) \
             or torch.distributed.get_world_size() == 1 or all(m.experts.transport.stats is not None for m in layers):
         return
-    from torch.distributed.fsdp import FSDPModule
-    if any(isinstance(m, FSDPModule) for m in model.modules()):
+    fsdp = sys.modules.get("torch.distributed.fsdp")  # not imported: nothing can be sharded by it
+    if fsdp is not None and any(isinstance(m, fsdp.FSDPModule) for m in model.modules()):
         raise MoespecError("moespec.aux_loss: this model is sharded by fully_shard, and its MoE layers' aux losses are "
                            "each rank's own, not those of the whole batch; lay it out with "
                            "moespec.distributed.parallelize(model, mesh, data='fsdp') (a mesh of (dp=world, ep=1) "

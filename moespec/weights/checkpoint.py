@@ -42,15 +42,17 @@ def save(model: nn.Module, path: str | Path, *, force: bool = False, dtype: torc
     """Save a compiled MoE model as safetensors with its spec in the header metadata, sharded beyond
     `max_shard_size` bytes; floating tensors are cast to `dtype` if given. Returns the path to `load`.
 
-    A model whose experts are sharded over ranks (`moespec.distributed.shard_experts`) is saved by a collective
-    call on every rank: rank 0 writes the same file one process writes, so that it loads at any world size."""
+    A model whose experts are sharded over ranks (`moespec.distributed.shard_experts`, `parallelize`) or whose
+    weights FSDP2 shards is saved by a collective call on every rank: rank 0 writes the same file one process
+    writes, so that it loads at any world size. Any other model is saved by the process that calls it (under
+    a plain DDP: rank 0's `save(ddp, ...)`, the DDP or the model in it)."""
     model = unwrapped(model)
     spec = getattr(model, "moespec_spec", None)
     if spec is None:
         raise MoespecError("this model was not built by moespec (no spec attached); build it with moespec.create_model")
     spec, head = spec_of_head(model, spec)
     state = model.state_dict()
-    if dist.is_initialized() and dist.get_world_size() > 1:
+    if sharded_banks(model) or any(isinstance(t, DTensor) for t in state.values()):  # a collective then
         return _save_distributed(model, state, path, {**spec_metadata(spec), **head}, force=force, dtype=dtype,
                                  max_shard_size=max_shard_size)
     infos = [TensorInfo(name, tuple(t.shape), output_dtype(t.dtype, dtype)) for name, t in state.items()]

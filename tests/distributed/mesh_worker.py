@@ -13,6 +13,8 @@ the error the wrapping raised).
     shard-fsdp-own-mesh                 shard_experts, then fully_shard of each bank over mesh["dp"] (torchtitan)
     shard-fsdp-plain                    shard_experts, then a plain fully_shard per block and root
     shard-uneven                        shard_experts over groups of 3 and 1 ranks
+    loaded-ddp, loaded-fsdp             shard_experts over mesh["ep"] (as distributed.load does), then parallelize
+    loaded-elsewhere                    shard_experts over every rank, then parallelize on a (2, 2) mesh
     zero3                               fully_shard per block and root of the unsharded model
 """
 
@@ -70,6 +72,9 @@ def wrap(model, wrapping: str, mesh):
     if wrapping.startswith("parallelize-"):
         out = md.parallelize(model, mesh, data=wrapping.split("-")[1])
         return out, model
+    if wrapping.startswith("loaded-"):  # experts sharded first, as moespec.distributed.load(group=...) does
+        md.shard_experts(model, group=ep.get_group() if wrapping != "loaded-elsewhere" else None)
+        return md.parallelize(model, mesh, data="fsdp" if wrapping == "loaded-fsdp" else "ddp"), model
     if wrapping == "zero3":
         for block in blocks(model):
             fully_shard(block)

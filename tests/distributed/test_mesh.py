@@ -28,8 +28,8 @@ EQUAL = [f"parallelize-{data}:{mesh}:{spec}" for data in ("ddp", "fsdp") for mes
 EQUAL += [f"parallelize-{data}:2:2:{spec}" for data in ("ddp", "fsdp") for spec in ("soft", "expert-choice")]
 EQUAL += ["parallelize-fsdp:4:1:soft"]
 EQUAL += ["shard-ddp:2:2", "shard-ddp:1:4", "shard-ddp:4:1:two-experts", "shard-ddp:2:2:two-experts",
-          "shard-fsdp-ignored:2:2", "shard-fsdp-own-mesh:2:2"]
-REFUSED = ["shard-fsdp-plain:2:2", "zero3:2:2", "shard-uneven:2:2"]
+          "shard-fsdp-ignored:2:2", "shard-fsdp-own-mesh:2:2", "loaded-ddp:2:2", "loaded-fsdp:2:2"]
+REFUSED = ["shard-fsdp-plain:2:2", "zero3:2:2", "shard-uneven:2:2", "loaded-elsewhere:2:2"]
 TWO_RANKS = ["parallelize-fsdp:1:2:bias", "parallelize-ddp:2:1:bias", "shard-ddp:1:2"]
 
 
@@ -67,6 +67,8 @@ def test_a_wrapping_that_would_be_wrong_is_refused_naming_parallelize(results, c
         assert "blocks.0.mlp.experts" in error and "mixes" in error, error
     if case.startswith("zero3"):
         assert "aux losses" in error, error
+    if case.startswith("loaded-elsewhere"):
+        assert "already sharded over ranks [0, 1, 2, 3]" in error, error
 
 
 @pytest.fixture(scope="module")
@@ -121,3 +123,11 @@ def test_a_failed_save_fails_every_rank_promptly_with_one_message(tmp_path, worl
     assert "No space left on device" in results[0]["error"] and "broken.safetensors" in results[0]["error"]
     assert max(r["seconds"] for r in results) < 20, "every rank fails at once, not at the process group's timeout"
     assert not (tmp_path / "broken.safetensors").exists()
+
+
+def test_a_state_saved_under_ddp_at_2x2_resumes_under_fsdp_at_1x4(tmp_path):
+    torchrun(4, STATE_WORKER, "save", tmp_path, 2, 2, "ddp")
+    torchrun(4, STATE_WORKER, "resume", tmp_path, 1, 4, "fsdp")
+    for rank in range(4):
+        r = json.loads((tmp_path / "resume-1-4-fsdp" / f"rank{rank}.json").read_text())
+        assert r["params"] <= TOLERANCE and r["buffers"] <= TOLERANCE and r["moments"] <= TOLERANCE, (rank, r)
