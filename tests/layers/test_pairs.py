@@ -134,3 +134,22 @@ def test_under_autocast_the_extra_kernels_are_one_cast_per_weight(kind):
     assert fp32[0].count(cast) == len(cast_in_bf16) + 2  # and the items, twice: the gate's and the experts'
     assert fp32[1].count(cast) == len(list(layer.parameters())) + 2  # and the items' gradient, through both casts
 
+
+
+def test_the_default_aux_loss_adds_its_own_ops_and_nothing_else():
+    """A training step computes the layer's aux loss too (issue 62, point 2). The default, importance_load, is
+    (CV(importance)^2 + CV(load)^2) / 2 times its weight. Counted by hand from that formula: forward, the
+    importance's sum over items, the load's cast, per CV `var`, `mean`, `pow`, `add`, `div` (10), their sum and
+    the halving, the weighting and the sum over kinds: 16. The routing and the experts run the same kernels as
+    without the loss, and the loss's backward stays off the [T, E] probabilities but for its one broadcast."""
+    tool = _tool()
+
+    def items():  # a fresh leaf each time: a second backward into one would add its gradient accumulation
+        return torch.randn(100, 32, dtype=torch.bfloat16, requires_grad=True)
+
+    plain = tool.step_kernels(tool.layer(2, "gelu", torch.bfloat16), items(), autocast=False)
+    with_loss = tool.step_kernels(tool.layer(2, "gelu", torch.bfloat16, losses="default"), items(), autocast=False)
+    assert with_loss[0][:len(plain[0])] == plain[0]  # the layer's own kernels first, unchanged
+    assert len(with_loss[0]) - len(plain[0]) == 16, with_loss[0][len(plain[0]):]
+    assert len(with_loss[1]) - len(plain[1]) <= 16, with_loss[1]
+    assert not [op for op in with_loss[1] if "index_put" in op or "scatter" in op or "sort" in op], with_loss[1]
