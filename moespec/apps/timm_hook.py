@@ -53,14 +53,16 @@ setattr(sys.modules[__name__], HUB_ARCHITECTURE, hub_model)  # timm lists entry 
 
 class _AfterTimmImport(importlib.abc.MetaPathFinder):
     """Finds nothing itself: on the import of `timm`, it lets the other finders find it and runs `register`
-    after timm's module has run, then leaves `sys.meta_path`."""
+    after timm's module has run, then leaves `sys.meta_path`. It stays until timm's module runs: a probe that
+    only finds timm's spec (`importlib.util.find_spec("timm")`, which transformers runs to see whether timm is
+    installed) imports nothing, and the import that follows must still register."""
 
     def find_spec(self, name, path=None, target=None):
         if name != "timm":
             return None
-        if self in sys.meta_path:
-            sys.meta_path.remove(self)
         for finder in sys.meta_path:
+            if finder is self:
+                continue
             spec = getattr(finder, "find_spec", lambda *_: None)(name, path, target)
             if spec is not None:
                 break
@@ -71,6 +73,8 @@ class _AfterTimmImport(importlib.abc.MetaPathFinder):
 
             def exec_module(module) -> None:
                 run(module)
+                if self in sys.meta_path:
+                    sys.meta_path.remove(self)
                 register()
 
             spec.loader.exec_module = exec_module

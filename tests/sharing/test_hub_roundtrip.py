@@ -154,13 +154,15 @@ def test_without_moespec_timm_refuses_the_folder(tmp_path):
 @pytest.mark.slow
 def test_importing_moespec_before_or_after_timm_registers_the_architecture(tmp_path):
     """Once moespec is imported, after timm or before it (its registration then waits for timm's import), timm
-    builds the model. Two fresh interpreters, at once."""
+    builds the model; also where something probes for timm's spec between the two imports, as transformers
+    does (issue 63, point 7). Three fresh interpreters, two at a time."""
     save_for_hf(_trained(VIT), tmp_path / "hub", safe_serialization=True)
     built = "{}\nm = timm.create_model(" + repr(f"local-dir:{tmp_path / 'hub'}") + ", pretrained=True)\n" \
             "print(type(m).__name__, len(moespec.moe_layers(m)))"
+    probe = "import importlib.util, moespec\nassert importlib.util.find_spec('timm')\nimport timm"  # as transformers
     with ThreadPoolExecutor(2) as pool:
-        done = list(pool.map(_fresh_python, [built.format(f"import {order}")
-                                             for order in ("moespec, timm", "timm, moespec")]))
+        done = list(pool.map(_fresh_python, [built.format(first) for first in (
+            "import moespec, timm", "import timm, moespec", probe)]))
     for run in done:
         assert run.stdout.split() == ["VisionTransformer", "2"], run.stderr[-2000:]
 
