@@ -43,11 +43,49 @@ class MoespecError(Exception):
 class SpecError(MoespecError, ValueError):
     """A spec that cannot be loaded, validated or applied to its backbone. Holds every problem found."""
 
-    def __init__(self, problems: Problem | str | Sequence[Problem]):
+    def __init__(self, problems: Problem | str | Sequence[Problem], *, timm_error: BaseException | None = None):
         if isinstance(problems, (Problem, str)):
             problems = [problems]
         self.problems: list[Problem] = [p if isinstance(p, Problem) else Problem(p) for p in problems]
+        self.timm_error = timm_error
+        """The exception timm raised when it refused the backbone (an unknown kwarg, a value its checks reject, a
+        failed download), else None: what `timm.create_model` of a moespec name raises again (`raised_as_timm`)."""
         super().__init__("\n".join(str(p) for p in self.problems))
+
+
+def raised_as_timm(error: SpecError) -> SpecError:
+    """`error`, when timm refused the backbone under it, as an instance of timm's exception type too (a
+    `TypeError` for an unknown kwarg, an `AssertionError` for a pool timm cannot do) with moespec's located
+    message, so that a caller of `timm.create_model` catches what timm's own models raise; else `error` itself.
+    A type whose constructor takes more than a message gives way to its nearest base that takes one."""
+    if error.timm_error is None:
+        return error
+    for base in type(error.timm_error).__mro__:
+        if issubclass(SpecError, base):  # Exception, BaseException: nothing more to say than SpecError does
+            break
+        try:
+            return _with_timm_type(base)(error.problems, timm_error=error.timm_error)
+        except TypeError:  # no subclass (a layout conflict, a final class) or no one-message constructor
+            continue
+    return error
+
+
+_TIMM_TYPED: dict[type, type] = {}
+"""timm's exception type -> the subclass of it and of SpecError that `raised_as_timm` makes, made once each."""
+
+
+def _with_timm_type(base: type) -> type:
+    if base not in _TIMM_TYPED:
+        _TIMM_TYPED[base] = type(base.__name__, (SpecError, base), {
+            "__module__": __name__, "__qualname__": f"SpecError.{base.__name__}",
+            "__reduce__": lambda self: (_rebuilt, (base, self.problems, self.timm_error)),
+            "__doc__": f"A SpecError that is also timm's {base.__name__}: see `raised_as_timm`."})
+    return _TIMM_TYPED[base]
+
+
+def _rebuilt(base: type, problems: list[Problem], timm_error: BaseException | None) -> SpecError:
+    """The error `raised_as_timm` made, back from a pickle (another process's)."""
+    return _with_timm_type(base)(problems, timm_error=timm_error)
 
 
 class CheckpointError(MoespecError):

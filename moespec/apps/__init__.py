@@ -10,5 +10,6 @@
     timm_registry.py   specs as timm models (`timm.create_model(name)`)
     timm_hook.py       moespec's architecture in timm's registry, from `import moespec` on
     hub.py             the model of a Hub folder (`timm.create_model("local-dir:..." / "hf-hub:...")`)
+    timm_features.py   the feature wrapper a timm family gives its model (`features_only`), asked of the family
     hub_folder.py      moespec's writer of the Hub layout (`moespec.save_for_hf`, `--hub`), with a model card
 """

@@ -23,11 +23,14 @@ from ..compiler import create_model
 from ..errors import MoespecError
 from ..spec import HUB_ARCHITECTURE, HUB_CONFIG, HUB_SPEC_ARG, embedded_spec, spec_with_model_args
 from ..weights import check_buffers, check_state_dict
+from .timm_features import FEATURE_KWARGS, family_feature_args
 
-FEATURE_KWARGS = ("features_only", "out_indices", "feature_cls")
-"""timm's create_model kwargs for a feature backbone: taken by `build_model_with_cfg`, never by the model."""
 RUNTIME_KWARGS = ("pretrained_model_args", "cache_dir")
 """What timm's factory passes every entry point besides the model's kwargs."""
+PLACEMENT_KWARGS = ("device", "dtype")
+"""timm's create_model kwargs for where and in which dtype the weights are made: the MoE model is built there
+(`placed`), and the backbone never sees them (a device given to its meta build for the memory check mixed meta
+and real tensors: EVA's "Cannot copy out of meta tensor")."""
 
 
 def create_hub_model(pretrained: bool = False, pretrained_cfg: dict | None = None,
@@ -40,17 +43,20 @@ def create_hub_model(pretrained: bool = False, pretrained_cfg: dict | None = Non
                            f"built from such a folder (timm.create_model('local-dir:FOLDER') or 'hf-hub:ORG/NAME'), "
                            f"whose config.json carries the spec in model_args.{HUB_SPEC_ARG}; {origin} has none")
     features = {key: kwargs.pop(key) for key in FEATURE_KWARGS if key in kwargs}
+    placement = {key: kwargs.pop(key) for key in PLACEMENT_KWARGS if key in kwargs}
     cache_dir = kwargs.pop("cache_dir", None)
     saved = kwargs.pop("pretrained_model_args", None) or {}
     classes = kwargs.get("num_classes")
     if pretrained and "num_classes" in saved:
         kwargs["num_classes"] = saved["num_classes"]  # the saved head; `classes` replaces it after the load
     spec = spec_with_model_args(embedded_spec(origin, carried), kwargs)
-    model = create_model(spec.model_copy(update={"aux_loss_in_backward": True}))  # as `register_timm`
+    spec = spec.model_copy(update={"aux_loss_in_backward": True})  # as `register_timm`
+    model = create_model(spec, device=placement.get("device") or "cpu")
     if pretrained:
         load_hub_weights(model, pretrained_cfg, origin, cache_dir)
         if classes is not None and classes != model.num_classes:
             model.reset_classifier(classes)
+    model = placed(model, dtype=placement.get("dtype"))
     return as_timm_model(model, HUB_ARCHITECTURE, pretrained_cfg, pretrained_cfg_overlay, **features)
 
 
@@ -83,24 +89,39 @@ def load_hub_weights(model: nn.Module, pretrained_cfg: dict | None, origin: str,
     check_buffers(model.named_buffers(), origin)
 
 
+def placed(model: nn.Module, *, device: Any = None, dtype: Any = None) -> nn.Module:
+    """`model` moved to `device` and cast to `dtype` where given (timm's create_model kwargs of those names)."""
+    return model.to(device=device, dtype=dtype) if device is not None or dtype is not None else model
+
+
 def as_timm_model(model: nn.Module, architecture: str, pretrained_cfg: dict | None = None,
                   pretrained_cfg_overlay: dict | None = None, **features: Any) -> nn.Module:
     """`model` as timm's `build_model_with_cfg` returns a model: its pretrained_cfg (`pretrained_cfg` where
-    timm gave one, a Hub folder's, else the model's own: the dense backbone's with moespec's architecture) with
-    `pretrained_cfg_overlay` over it, and with `features_only=True` a feature backbone (`out_indices`,
-    `feature_cls`): timm's `FeatureGetterNet` over `forward_intermediates` where the model has it (ViT,
-    ConvNeXt), else timm's default wrapper. The MoE layers stay inside, so `moespec.aux_loss` of the wrapper
-    is the layers' loss."""
+    timm gave one, a Hub folder's or a registered name's, else the model's own: the dense backbone's with
+    moespec's architecture) with `pretrained_cfg_overlay` over it, and with `features_only=True` (`out_indices`,
+    `feature_cls`) the feature backbone timm makes of the dense backbone: the same wrapper with the same
+    arguments (`timm_features`; a `FeatureListNet` for ConvNeXt, a `FeatureGetterNet` for ViT). The MoE layers
+    stay inside, so `moespec.aux_loss` of the wrapper is the layers' loss."""
     cfg = dict(pretrained_cfg) if isinstance(pretrained_cfg, dict) else dict(getattr(model, "pretrained_cfg", {}))
     feature_cfg: dict[str, Any] = {}
     if features.get("features_only"):
-        if hasattr(model, "forward_intermediates"):
-            feature_cfg = {"feature_cls": "getter", "out_indices": min(4, len(getattr(model, "feature_info", [])))}
-        else:
-            feature_cfg = {"flatten_sequential": True}
+        feature_cfg, features = _feature_args(model, features)
     traits = getattr(model, "_traits", None)
     built = build_model_with_cfg(lambda **_: model, architecture, pretrained=False, pretrained_cfg=cfg,
                                  pretrained_cfg_overlay=pretrained_cfg_overlay, feature_cfg=feature_cfg, **features)
     if traits is not None:
         model._traits = traits  # the backbone's, as timm set them at its build
     return built
+
+
+def _feature_args(model: nn.Module, features: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """`feature_cfg` and the feature kwargs for `build_model_with_cfg`: those the backbone's family gives its dense
+    model (`family_feature_args`); for a family that wraps nothing so, timm's `FeatureGetterNet` over
+    `forward_intermediates` where the model has it, else timm's default wrapper."""
+    spec = getattr(model, "moespec_spec", None)
+    found = family_feature_args(spec.backbone.model, spec.backbone.kwargs, features) if spec is not None else None
+    if found is not None:
+        return found.feature_cfg, found.kwargs
+    if hasattr(model, "forward_intermediates"):
+        return {"feature_cls": "getter", "out_indices": min(4, len(getattr(model, "feature_info", [])))}, features
+    return {"flatten_sequential": True}, features

@@ -80,15 +80,17 @@ def _create(backbone: Backbone, device: torch.device, pretrained: bool) -> nn.Mo
             fixed = re.search(r"got multiple values for keyword argument '(\w+)'", str(err))
             if fixed is None or fixed.group(1) not in kwargs:
                 raise SpecError(Problem(f"timm rejected the kwargs for {backbone.model!r}: {_one_line(err)}"
-                                        + _argument_hint(backbone.model, str(err)), path="backbone.kwargs")) from None
+                                        + _argument_hint(backbone.model, str(err)), path="backbone.kwargs"),
+                                timm_error=err) from None
             overrides[fixed.group(1)] = kwargs.pop(fixed.group(1))
         except Exception as err:  # timm's own checks of the values, e.g. "dim should be divisible by num_heads"
             if pretrained:
-                raise SpecError(_pretrained_problem(backbone, err)) from None
+                raise SpecError(_pretrained_problem(backbone, err), timm_error=err) from None
             if not backbone.kwargs:
                 raise
             raise SpecError(Problem(f"timm could not build {backbone.model!r} with these kwargs: "
-                                    f"{type(err).__name__}: {_one_line(err)}", path="backbone.kwargs")) from None
+                                    f"{type(err).__name__}: {_one_line(err)}", path="backbone.kwargs"),
+                            timm_error=err) from None
     return _take_padded_inputs(model)
 
 

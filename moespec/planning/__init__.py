@@ -18,9 +18,10 @@ from .checks import (
     input_size_of,
     input_size_problem,
     items_problems,
+    spec_input_size,
 )
 from .plan import LayerPlan, Plan, RescalePlan, plan, plan_file, plan_for
 
 __all__ = ["INPUT_SIZE_ERRORS", "LayerPlan", "Plan", "RescalePlan", "backbone_facts", "cache_folder",
            "checkpoint_problem", "input_refusal", "input_size_error", "input_size_of", "input_size_problem",
-           "items_problems", "plan", "plan_file", "plan_for"]
+           "items_problems", "plan", "plan_file", "plan_for", "spec_input_size"]

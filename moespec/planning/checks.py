@@ -127,9 +127,15 @@ def input_size_error(spec: Spec, input_size: tuple[int, int, int], reason: Excep
 
 def input_size_of(spec: Spec, sketch: BackboneSketch) -> tuple[int, int, int]:
     """The spec's input_size, else the backbone's pretrained_cfg input size adjusted by img_size / in_chans."""
+    return spec_input_size(spec, sketch.input_size)
+
+
+def spec_input_size(spec: Spec, pretrained_input_size: tuple[int, int, int]) -> tuple[int, int, int]:
+    """`input_size_of` given the backbone's pretrained_cfg input size, for a caller that has it without a
+    sketch (timm's registry: `apps.timm_registry`)."""
     if spec.input_size is not None:
         return spec.input_size
-    channels, height, width = sketch.input_size
+    channels, height, width = pretrained_input_size
     kwargs = spec.backbone.kwargs
     if kwargs.get("in_chans") is not None:  # timm ignores kwargs that are None
         channels = kwargs["in_chans"]

@@ -146,7 +146,8 @@ def _parsed_positions(file: str, inode: int, size: int, mtime_ns: int) -> Positi
 
 def located(spec: Spec, error: SpecError) -> SpecError:
     """`error` with its unlocated problems placed in `spec`'s file (by their field path)."""
-    return SpecError([spec_problem(spec, p.path, p.message) if p.file is None else p for p in error.problems])
+    return SpecError([spec_problem(spec, p.path, p.message) if p.file is None else p for p in error.problems],
+                     timm_error=error.timm_error)
 
 
 def previous_release_keys(path: str | Path, text: str | None = None) -> list[str]:

@@ -30,7 +30,8 @@ def test_timm_create_model_builds_the_spec_with_timm_kwargs():
     spec = model.moespec_spec
     assert spec.backbone.kwargs == {**TINY_VIT["kwargs"], "num_classes": 3, "drop_path_rate": 0.2}
     assert spec.aux_loss_in_backward and all(m.aux_loss_in_backward for m in moespec.moe_layers(model).values())
-    assert timm.data.resolve_data_config({}, model=model)["input_size"] == (3, 224, 224)  # timm's pretrained_cfg
+    # the name's pretrained_cfg: the backbone's at the spec's input size (tests/apps/test_timm_registry_names.py)
+    assert timm.data.resolve_data_config({}, model=model)["input_size"] == (3, 64, 64)
 
 
 def test_a_spec_file_registers_under_its_name(tmp_path):
