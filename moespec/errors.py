@@ -92,6 +92,10 @@ class CheckpointError(MoespecError):
     """A checkpoint that cannot be read, or does not fit the model it is loaded into."""
 
 
+class NotScriptableError(MoespecError, RuntimeError):
+    """`torch.jit.script` of a model with MoE layers, which TorchScript cannot compile (`MoELayer`)."""
+
+
 def field_path(parts: Iterable[object]) -> str:
     """A dotted field path, `moe.0.top_k`; a key that is not a plain word is quoted (`moe.0.'a\\nb'`), so a
     problem stays one line."""

@@ -3,14 +3,19 @@
 Tracing only through the FFNs' ancestors keeps every other module a leaf that runs its own eager forward,
 so `train()` / `eval()` behaviour (dropout, drop-path, attention dropout) is never frozen into the graph.
 timm's notrace modules and functions are leaves too, and the MoE layer is a leaf: routing is never traced.
+The MoE layers are timm notrace modules (registered here), so timm's FX feature extraction keeps them as leaves;
+any other fx tracer gets them as one node from their forward (`layers.ops.mode.layer_call`).
 """
 
 from __future__ import annotations
 
-from timm.layers import get_notrace_functions, get_notrace_modules
+from timm.layers import get_notrace_functions, get_notrace_modules, register_notrace_module
 from torch import fx, nn
 
 from ..errors import MoespecError
+from ..layers import MoELayer
+
+register_notrace_module(MoELayer)
 
 # Attributes of timm models that training scripts and data configs read; copied onto the GraphModule.
 TIMM_ATTRIBUTES = ("pretrained_cfg", "default_cfg", "num_classes", "num_features", "head_hidden_size",

@@ -19,8 +19,8 @@ from torch import nn
 
 from .interfaces import Router
 from .moe import BACKWARD_SCALE_CHECK, AuxLossAutoScaler, MoE
-from .ops.mode import Mode
-from .routing import AUX_LOSSES
+from .ops.mode import Mode, layer_call
+from .routing import AUX_LOSSES, Routing
 
 
 class FFNCopies(nn.Module):
@@ -57,30 +57,55 @@ class ImageFFNMoE(MoE):
         self.out_features = out_features
         self.ffn_macs: int | None = None
 
+    @layer_call(fixes_routing=True)
     def forward(self, x: torch.Tensor, *args) -> torch.Tensor:
         x = self.run_pre(x)
         images = x.shape[0]
         vectors = self.gate_input(x)
-        routing = self.router.route(vectors, images, Mode.of(vectors))
+        mode = Mode.of(vectors)
+        routing = self.router.route(vectors, images, mode)
         shape = list(x.shape)
         shape[self.channels_dim] = self.out_features
         y = x.new_zeros(shape)
-        start = 0
-        for expert, count in enumerate(routing.counts.tolist()):  # a sync: the segments are per expert
-            if count:
-                chosen = routing.item[start:start + count]
-                out = self.experts.copies[expert](x[chosen], *args)
-                weights = routing.weights[start:start + count].to(out.dtype).view(-1, *([1] * (out.dim() - 1)))
-                y = y.index_add(0, chosen, out * weights)
-            start += count
+        if mode.exporting or mode.meta:  # no value can be read: every copy on every image
+            y = self._dense_combine(x, routing, y, args)
+        else:
+            y = self._segments_combine(x, routing, y, args)
         if self.shared is not None:
             y = y + self.shared.forward_all(x, *args)
+        if mode.exporting:  # an exported graph is a pure function: no routing state, no aux loss
+            return y
         self.last_routing, self.last_items, self.last_images = routing, images, images  # routed units: images
         self.computed_aux_losses = {kind: AUX_LOSSES[kind](routing) for kind in self.aux_loss_weights}
         loss = self.weighted_aux_loss() if self.aux_loss_in_backward else None
         if loss is not None and loss.requires_grad:
             BACKWARD_SCALE_CHECK.on_forward(self, x)
             y = AuxLossAutoScaler.apply(y, loss, self.backward_scale)
+        return y
+
+    def _segments_combine(self, x: torch.Tensor, routing: Routing, y: torch.Tensor, args: tuple) -> torch.Tensor:
+        """y plus each expert's copy on the images routed to it, weighted: a host sync, the segments are per
+        expert."""
+        start = 0
+        for expert, count in enumerate(routing.counts.tolist()):
+            if count:
+                chosen = routing.item[start:start + count]
+                out = self.experts.copies[expert](x[chosen], *args)
+                weights = routing.weights[start:start + count].to(out.dtype).view(-1, *([1] * (out.dim() - 1)))
+                y = y.index_add(0, chosen, out * weights)
+            start += count
+        return y
+
+    def _dense_combine(self, x: torch.Tensor, routing: Routing, y: torch.Tensor, args: tuple) -> torch.Tensor:
+        """y plus every copy on every image, weighted by the routing (0 where an image did not choose it): no value
+        is read, and no shape depends on the data. The same function as `_segments_combine`, at E / k times the
+        copies' compute; used only where no value can be read (torch.export, the meta device)."""
+        experts = self.num_experts
+        combine = routing.weights.new_zeros(x.shape[0] * experts).scatter_add(
+            0, routing.item * experts + routing.expert, routing.weights).view(x.shape[0], experts)
+        for expert, ffn in enumerate(self.experts.copies):
+            out = ffn(x, *args)
+            y = y + out * combine[:, expert].to(out.dtype).view(-1, *([1] * (out.dim() - 1)))
         return y
 
     def gate_input(self, x: torch.Tensor) -> torch.Tensor:

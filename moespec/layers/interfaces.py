@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..errors import NotScriptableError
 from .experts import Experts
 from .ops.mode import Mode
 from .routing import Routing
@@ -87,7 +88,9 @@ class MoELayer(nn.Module):
     """What replaces a dense FFN call site. Subclasses build `experts` (the routed `Experts` bank), `shared`
     (always-active experts, or None) and `channels_dim` (-1: [..., C] inputs; 1: [B, C, H, W]), keep
     `aux_losses` (aux-loss kind -> value of the last forward) and `last_items` / `last_images` (the size of the
-    last forward), and override the methods that raise here."""
+    last forward), and override the methods that raise here. Their forward is decorated with `ops.mode.layer_call`,
+    so that torch.fx traces it as one node and a TorchScript trace says what it fixes; `torch.jit.script` is refused
+    here (`__prepare_scriptable__`)."""
 
     experts: Experts
     shared: Experts | None
@@ -100,6 +103,14 @@ class MoELayer(nn.Module):
     def __init__(self):
         super().__init__()
         self.pre = None  # set by the builder where the dense FFN has one (`Adapter.pre_module`)
+
+    def __prepare_scriptable__(self) -> nn.Module:
+        """`torch.jit.script` asks every module for this before it compiles any: the one refusal it meets."""
+        raise NotScriptableError(
+            f"moespec: torch.jit.script cannot compile the {type(self).__name__} layer: its forward is Python that "
+            f"TorchScript does not support (expert steps chosen at run time, shapes that depend on the data). Export "
+            f"the model instead: torch.export.export(model, (x,)), whose graph routes each input "
+            f"(torch.onnx.export(model, (x,), dynamo=True) for ONNX)")
 
     def run_pre(self, x: torch.Tensor) -> torch.Tensor:
         """x through `pre`, which runs on the whole input before routing."""
@@ -141,9 +152,9 @@ class MoELayer(nn.Module):
         records them to start the router from data; `Router.gate_input`)."""
         raise NotImplementedError(f"{type(self).__name__} has no gate row per expert to start from data")
 
-    @property
     def gate_router(self) -> Router:
-        """The router whose rows `upcycle.router_init: hidden | kmeans` starts (`Router.point_at`)."""
+        """The router whose rows `upcycle.router_init: hidden | kmeans` starts (`Router.point_at`). A method, not a
+        property: tools that scan a module's attributes with hasattr (`torch.jit.trace`) would see it raise."""
         raise NotImplementedError(f"{type(self).__name__} has no gate row per expert to start from data")
 
     def weighted_aux_loss(self) -> torch.Tensor | None:

@@ -28,7 +28,7 @@ from ..errors import MoespecError
 from .balancing import BIAS_ON_STEP
 from .experts import Experts
 from .interfaces import MoELayer, Router
-from .ops.mode import Mode
+from .ops.mode import Mode, autocast_dtype, layer_call
 from .routing import AUX_LOSSES, Routing, items_per_image
 
 
@@ -67,6 +67,7 @@ class MoE(MoELayer):
         after a forward, as an EMA or a kept best model does, raised)."""
         return {**self.__dict__, "computed_aux_losses": {}, "last_routing": None, "last_items": 0, "last_images": 0}
 
+    @layer_call(fixes_routing=True)
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.run_pre(x)
         channels_last = x if self.channels_dim in (-1, x.dim() - 1) else x.movedim(self.channels_dim, -1)
@@ -144,7 +145,6 @@ class MoE(MoELayer):
         channels_last = x if self.channels_dim in (-1, x.dim() - 1) else x.movedim(self.channels_dim, -1)
         return self.router.gate_input(channels_last.reshape(-1, channels_last.shape[-1]), x.shape[0])
 
-    @property
     def gate_router(self) -> Router:
         return self.router
 
@@ -261,9 +261,7 @@ class BackwardScaleCheck:
     def on_forward(self, layer: MoE, x: torch.Tensor) -> None:
         if self.hook is None:
             self.hook = register_optimizer_step_post_hook(self.on_step)
-        device = x.device.type
-        if (layer.grad_scaler is None and torch.is_autocast_enabled(device)
-                and torch.get_autocast_dtype(device) == torch.float16):
+        if layer.grad_scaler is None and autocast_dtype(x.device) == torch.float16:
             self._warn("fp16", "moespec: an MoE layer sends its aux loss into backward under float16 autocast, "
                                "where a GradScaler usually multiplies the loss; the aux gradient is then unscaled "
                                "with it and ends up 1/scale too weak. Call moespec.follow_grad_scaler(model, "

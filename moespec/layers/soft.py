@@ -36,7 +36,7 @@ from torch import nn
 from .experts import Experts
 from .interfaces import MoELayer
 from .ops.collectives import all_reduce_sum
-from .ops.mode import Mode
+from .ops.mode import Mode, layer_call
 
 
 class SoftMoE(MoELayer):
@@ -80,6 +80,7 @@ class SoftMoE(MoELayer):
     def slots(self) -> int:
         return self.experts.num_experts * self.slots_per_expert
 
+    @layer_call(fixes_routing=False)
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.run_pre(x)
         mode = Mode.of(x, self.experts, self.phi, self.scale)  # how this call runs, decided once

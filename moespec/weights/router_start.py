@@ -199,7 +199,7 @@ def router_rows(spec: Spec, plan: Plan, base: nn.Module, layers: dict[str, MoELa
             folds[path] = RunningMean(len(sets), dim)
         else:
             folds[path] = StreamingKMeans(plan.layer(path).num_experts, generator,
-                                          spherical=layers[path].gate_router.row_metric() != "l2")
+                                          spherical=layers[path].gate_router().row_metric() != "l2")
     current = [0]  # the image set of the batch in flight
 
     def record(path: str, pre: nn.Module | None, args: tuple) -> None:

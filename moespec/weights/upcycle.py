@@ -290,7 +290,7 @@ def upcycle_layer(moe: nn.Module, layer: LayerPlan, ffns: Sequence[dict[str, tor
         else:
             weight.copy_(torch.randn(weight.shape, generator=generator) * 0.02)
     if rows is not None:
-        moe.gate_router.point_at(rows)
+        moe.gate_router().point_at(rows)
 
 
 COMPARED_BATCH = 2  # random inputs the logit check runs through both models
