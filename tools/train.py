@@ -11,9 +11,10 @@ are replicated over `dp` (their gradients averaged over it), and the rest of the
 all W ranks: DistributedDataParallel (`--data-parallel ddp`, the default) or FSDP2's fully_shard per block and
 root (`--data-parallel fsdp`, the experts then FSDP-sharded over `dp`). `--ep` defaults to W: every rank holds
 E/W experts and nothing is replicated, the layout of shard_experts + DDP. It must divide W and every layer's
-experts. Every rank builds the whole model (the same global weights from --seed or the checkpoint) and keeps
-its part. `--batch-size` is per rank: every rank trains its own slice of the global batch. Run plainly, it
-trains one unsharded model in one process.
+experts. Every rank has the same global weights (from --seed or the checkpoint): a fresh model is built whole
+and each rank keeps its part; with ep > 1, `--init load` and `--init upcycle` read or build only the rank's
+experts (`moespec.distributed.load` / `upcycle` over its ep row). `--batch-size` is per rank: every rank
+trains its own slice of the global batch. Run plainly, it trains one unsharded model in one process.
 
 Each step: cross-entropy + `moespec.aux_loss(model)` (global statistics under expert parallelism), backward,
 `moespec.distributed.clip_grad_norm_` with `--clip-grad` (the norm over every rank's experts), AdamW from
@@ -47,7 +48,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from timm.data import ImageDataset, create_transform, resolve_data_config
 from timm.optim import create_optimizer_v2
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.optim.lr_scheduler import LambdaLR
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
@@ -130,37 +131,50 @@ def setup_distributed(timeout_s: int) -> tuple[int, int, torch.device]:
     return dist.get_rank(), dist.get_world_size(), device
 
 
-def build_model(args: argparse.Namespace, device: torch.device) -> nn.Module:
-    """The spec's model (fresh, upcycled or loaded), whole, on `device`. Every rank builds the same weights."""
-    spec = moespec.load_spec(args.spec)
-    if args.init == "load":
-        model = moespec.load(args.checkpoint, device=device)
-        if model.moespec_spec.to_yaml() != spec.to_yaml():
-            raise MoespecError(f"{args.checkpoint}: holds the model of another spec than {args.spec} "
-                               f"(its spec is {model.moespec_spec.name!r}); pass the spec it was saved with")
-    elif args.init == "upcycle":
-        model = moespec.upcycle(spec, args.checkpoint, seed=args.seed)
-    else:
-        model = moespec.create_model(spec, seed=args.seed)
-    return model.to(device).train()
-
-
-def lay_out(model: nn.Module, args: argparse.Namespace, world: int, device: torch.device) -> tuple[nn.Module, str]:
-    """(the module to call, the layout in words). Under torchrun: `model` laid out in place on a (W/ep, ep)
-    mesh by `parallelize` (a DDP wrapper for ddp, the model itself for fsdp). Run plainly: the model as it is."""
+def build_mesh(args: argparse.Namespace, spec, world: int, device: torch.device) -> DeviceMesh | None:
+    """Under torchrun: the (W/ep, ep) mesh of the ranks, dims ("dp", "ep"), once --ep is checked against every
+    MoE layer's experts (from the spec's plan, on the meta device: before any weight is read). Run plainly: None."""
     if not dist.is_initialized():
-        return model, f"1 process on {device.type}"
+        return None
     ep = args.ep or world
-    experts = sorted({layer.experts.num_experts for layer in moespec.moe_layers(model).values()})
+    experts = sorted({layer.num_experts for layer in moespec.plan(spec).layers})
     if any(count % ep for count in experts):
         fits = [d for d in range(1, world + 1) if world % d == 0 and all(count % d == 0 for count in experts)]
         given = f"--ep {ep}" if args.ep else f"--ep (default: every rank, {ep})"
         raise MoespecError(f"{given}: the MoE layers' {' and '.join(map(str, experts))} experts do not split evenly "
                            f"over {ep} expert-parallel ranks; --ep must divide every layer's experts and the {world} "
                            f"ranks: one of {', '.join(map(str, fits))}")
-    mesh = init_device_mesh(device.type, (world // ep, ep), mesh_dim_names=("dp", "ep"))
+    return init_device_mesh(device.type, (world // ep, ep), mesh_dim_names=("dp", "ep"))
+
+
+def build_model(args: argparse.Namespace, spec, device: torch.device, mesh: DeviceMesh | None) -> nn.Module:
+    """The spec's model (fresh, upcycled or loaded) on `device`, the same global weights on every rank. Loaded or
+    upcycled on a mesh with ep > 1, each rank reads or builds only its experts, sharded over its ep row (which
+    `parallelize` keeps); otherwise it is whole, and `parallelize` keeps this rank's part."""
+    group = mesh["ep"].get_group() if mesh is not None and mesh["ep"].size() > 1 else None
+    if args.init == "load":
+        model = md.load(args.checkpoint, group=group, device=device) if group is not None \
+            else moespec.load(args.checkpoint, device=device)
+        if model.moespec_spec.to_yaml() != spec.to_yaml():
+            raise MoespecError(f"{args.checkpoint}: holds the model of another spec than {args.spec} "
+                               f"(its spec is {model.moespec_spec.name!r}); pass the spec it was saved with")
+    elif args.init == "upcycle":
+        model = md.upcycle(spec, args.checkpoint, seed=args.seed, group=group) if group is not None \
+            else moespec.upcycle(spec, args.checkpoint, seed=args.seed)
+    else:
+        model = moespec.create_model(spec, seed=args.seed)
+    return model.to(device).train()
+
+
+def lay_out(model: nn.Module, args: argparse.Namespace, mesh: DeviceMesh | None) -> tuple[nn.Module, str]:
+    """(the module to call, the layout in words): `model` laid out in place on `mesh` by `parallelize` (a DDP
+    wrapper for ddp, the model itself for fsdp), or as it is when run plainly."""
+    device = next(model.parameters()).device
+    if mesh is None:
+        return model, f"1 process on {device.type}"
     net = md.parallelize(model, mesh, data=args.data_parallel)
-    return net, f"{world} rank(s) on {device.type}, dp {world // ep} x ep {ep}, {args.data_parallel}"
+    dp, ep = mesh["dp"].size(), mesh["ep"].size()
+    return net, f"{dp * ep} rank(s) on {device.type}, dp {dp} x ep {ep}, {args.data_parallel}"
 
 
 class SyntheticImages(Dataset):
@@ -261,8 +275,10 @@ def progress_bar(enabled: bool) -> Progress:
 def train(args: argparse.Namespace) -> None:
     rank, world, device = setup_distributed(args.dist_timeout)
     torch.manual_seed(args.seed + rank)  # dropout and router noise differ per rank; weights come from --seed
-    model = build_model(args, device)
-    net, layout = lay_out(model, args, world, device)  # `model` is the same module, its experts this rank's
+    spec = moespec.load_spec(args.spec)
+    mesh = build_mesh(args, spec, world, device)
+    model = build_model(args, spec, device, mesh)
+    net, layout = lay_out(model, args, mesh)  # `model` is the same module, its experts this rank's
     dataset = build_dataset(args, model)
     # drop_last: every rank gets as many full batches of the same size (Soft MoE's even exchange needs it)
     sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=args.seed, drop_last=True)
