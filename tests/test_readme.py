@@ -55,7 +55,8 @@ def test_every_command_block_is_run_or_says_why_not():
         assert marker == "" or marker.startswith("skip: ") and len(marker) > 12 or (
             language == "python" and marker.startswith("torchrun ")), (marker, code[:80])
     skipped = [b for b in blocks if b[0].startswith("skip: ")]
-    assert len(skipped) <= 6, [b[0] for b in skipped]  # the installs, 8 GPUs, timm's repository, module source, gsutil
+    assert len(skipped) <= 7, [b[0] for b in skipped]  # the installs, 8 GPUs, several nodes, timm's repository,
+    # module source, gsutil
 
 
 @pytest.mark.slow  # every README command, real-size models included: minutes

@@ -2,11 +2,19 @@
 
     python tools/train.py SPEC [--data DIR] [--steps N | --epochs N] [--output DIR] ...
     torchrun --standalone --nproc_per_node 8 tools/train.py SPEC --data DIR --batch-size 128 --output DIR ...
+    torchrun --standalone --nproc_per_node 8 tools/train.py SPEC --ep 4 --data-parallel fsdp ...
 
-Under torchrun (WORLD_SIZE set) every rank joins one process group (NCCL on GPUs, gloo on CPUs), keeps E/W
-experts of every MoE layer (`moespec.distributed.shard_experts`) and wraps the model in
-DistributedDataParallel, which averages the replicated parameters and leaves the experts to the experts' own
-all_to_all; `--batch-size` is per rank. Run plainly, it trains one unsharded model in one process.
+Under torchrun (WORLD_SIZE set) the W ranks join one process group (NCCL on GPUs, gloo on CPUs) and the model
+is laid out on a 2-D DeviceMesh of W/ep x ep ranks, dims ("dp", "ep"), by `moespec.distributed.parallelize`:
+each rank of an `ep` row keeps E/ep experts of every MoE layer (tokens reach them by all_to_all), the experts
+are replicated over `dp` (their gradients averaged over it), and the rest of the model is data-parallel over
+all W ranks: DistributedDataParallel (`--data-parallel ddp`, the default) or FSDP2's fully_shard per block and
+root (`--data-parallel fsdp`, the experts then FSDP-sharded over `dp`). `--ep` defaults to W: every rank holds
+E/W experts and nothing is replicated, the layout of shard_experts + DDP. It must divide W and every layer's
+experts. Every rank has the same global weights (from --seed or the checkpoint): a fresh model is built whole
+and each rank keeps its part; with ep > 1, `--init load` and `--init upcycle` read or build only the rank's
+experts (`moespec.distributed.load` / `upcycle` over its ep row). `--batch-size` is per rank: every rank
+trains its own slice of the global batch. Run plainly, it trains one unsharded model in one process.
 
 Each step: cross-entropy + `moespec.aux_loss(model)` (global statistics under expert parallelism), backward,
 `moespec.distributed.clip_grad_norm_` with `--clip-grad` (the norm over every rank's experts), AdamW from
@@ -16,9 +24,9 @@ bfloat16 autocast on GPUs. Routers with `bias_balance` (DeepSeek-V3's aux-loss-f
 once per step from that step's loads (`moespec.update_bias`, global under expert parallelism).
 
 `--output DIR` receives DIR/state (model + optimizer + step + scheduler, `moespec.distributed.save_state`:
-resumable at any world size) every `--save-every` steps and at the end, and DIR/model.safetensors at the end
-(`moespec.save`: the one-process format, loadable by `moespec.load` at any world size). `--resume DIR` (that
-output folder, or its state folder) continues where the state left off; the data order is the same as
+resumable at any world size and mesh) every `--save-every` steps and at the end, and DIR/model.safetensors at
+the end (`moespec.save`: the one-process format, loadable by `moespec.load` at any world size). `--resume DIR`
+(that output folder, or its state folder) continues where the state left off; the data order is the same as
 without the interruption when the world size and batch size are.
 """
 
@@ -40,7 +48,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from timm.data import ImageDataset, create_transform, resolve_data_config
 from timm.optim import create_optimizer_v2
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.optim.lr_scheduler import LambdaLR
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
@@ -83,7 +91,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     out.add_argument("--log-every", type=int, default=10, help="log every N steps (default: %(default)s)")
     out.add_argument("--dist-timeout", type=int, default=1800,
                      help="seconds a collective waits for the other ranks (default: %(default)s)")
+    mesh = parser.add_argument_group("parallelism (under torchrun: a dp x ep mesh of the ranks)")
+    mesh.add_argument("--ep", type=int, help="expert-parallel ranks: each keeps E/ep experts of every MoE layer, "
+                                             "the experts replicated over the other W/ep (default: every rank)")
+    mesh.add_argument("--data-parallel", choices=md.parallel.DATA,
+                      help="the rest of the model over every rank: ddp (DistributedDataParallel, the default) or "
+                           "fsdp (FSDP2's fully_shard per block and root; the experts sharded over dp)")
     args = parser.parse_args(argv)
+    world = os.environ.get("WORLD_SIZE")
+    if world is None and (args.ep is not None or args.data_parallel is not None):
+        parser.error("--ep and --data-parallel lay the model out over torchrun's ranks: run the script under "
+                     "torchrun (WORLD_SIZE is not set)")
+    if args.ep is not None and not (args.ep >= 1 and int(world) % args.ep == 0):
+        divisors = ", ".join(str(d) for d in range(1, int(world) + 1) if int(world) % d == 0)
+        parser.error(f"--ep {args.ep} must divide the number of ranks, {world} (dp = ranks / ep): one of {divisors}")
+    args.data_parallel = args.data_parallel or "ddp"
     if args.init == "load" and args.checkpoint is None:
         parser.error("--init load needs --checkpoint (a moespec checkpoint)")
     if args.init == "fresh" and args.checkpoint is not None:
@@ -109,24 +131,50 @@ def setup_distributed(timeout_s: int) -> tuple[int, int, torch.device]:
     return dist.get_rank(), dist.get_world_size(), device
 
 
-def build_model(args: argparse.Namespace, device: torch.device) -> nn.Module:
-    """The spec's model (fresh, upcycled or loaded), with its experts sharded over the ranks when
-    torch.distributed is initialized, on `device`. Every rank builds the same global weights."""
-    spec = moespec.load_spec(args.spec)
-    distributed = dist.is_initialized()
+def build_mesh(args: argparse.Namespace, spec, world: int, device: torch.device) -> DeviceMesh | None:
+    """Under torchrun: the (W/ep, ep) mesh of the ranks, dims ("dp", "ep"), once --ep is checked against every
+    MoE layer's experts (from the spec's plan, on the meta device: before any weight is read). Run plainly: None."""
+    if not dist.is_initialized():
+        return None
+    ep = args.ep or world
+    experts = sorted({layer.num_experts for layer in moespec.plan(spec).layers})
+    if any(count % ep for count in experts):
+        fits = [d for d in range(1, world + 1) if world % d == 0 and all(count % d == 0 for count in experts)]
+        given = f"--ep {ep}" if args.ep else f"--ep (default: every rank, {ep})"
+        raise MoespecError(f"{given}: the MoE layers' {' and '.join(map(str, experts))} experts do not split evenly "
+                           f"over {ep} expert-parallel ranks; --ep must divide every layer's experts and the {world} "
+                           f"ranks: one of {', '.join(map(str, fits))}")
+    return init_device_mesh(device.type, (world // ep, ep), mesh_dim_names=("dp", "ep"))
+
+
+def build_model(args: argparse.Namespace, spec, device: torch.device, mesh: DeviceMesh | None) -> nn.Module:
+    """The spec's model (fresh, upcycled or loaded) on `device`, the same global weights on every rank. Loaded or
+    upcycled on a mesh with ep > 1, each rank reads or builds only its experts, sharded over its ep row (which
+    `parallelize` keeps); otherwise it is whole, and `parallelize` keeps this rank's part."""
+    group = mesh["ep"].get_group() if mesh is not None and mesh["ep"].size() > 1 else None
     if args.init == "load":
-        model = md.load(args.checkpoint, device=device) if distributed else moespec.load(args.checkpoint, device=device)
+        model = md.load(args.checkpoint, group=group, device=device) if group is not None \
+            else moespec.load(args.checkpoint, device=device)
         if model.moespec_spec.to_yaml() != spec.to_yaml():
             raise MoespecError(f"{args.checkpoint}: holds the model of another spec than {args.spec} "
                                f"(its spec is {model.moespec_spec.name!r}); pass the spec it was saved with")
     elif args.init == "upcycle":
-        model = (md.upcycle(spec, args.checkpoint, seed=args.seed) if distributed
-                 else moespec.upcycle(spec, args.checkpoint, seed=args.seed))
+        model = md.upcycle(spec, args.checkpoint, seed=args.seed, group=group) if group is not None \
+            else moespec.upcycle(spec, args.checkpoint, seed=args.seed)
     else:
         model = moespec.create_model(spec, seed=args.seed)
-        if distributed:
-            md.shard_experts(model)
     return model.to(device).train()
+
+
+def lay_out(model: nn.Module, args: argparse.Namespace, mesh: DeviceMesh | None) -> tuple[nn.Module, str]:
+    """(the module to call, the layout in words): `model` laid out in place on `mesh` by `parallelize` (a DDP
+    wrapper for ddp, the model itself for fsdp), or as it is when run plainly."""
+    device = next(model.parameters()).device
+    if mesh is None:
+        return model, f"1 process on {device.type}"
+    net = md.parallelize(model, mesh, data=args.data_parallel)
+    dp, ep = mesh["dp"].size(), mesh["ep"].size()
+    return net, f"{dp * ep} rank(s) on {device.type}, dp {dp} x ep {ep}, {args.data_parallel}"
 
 
 class SyntheticImages(Dataset):
@@ -227,7 +275,10 @@ def progress_bar(enabled: bool) -> Progress:
 def train(args: argparse.Namespace) -> None:
     rank, world, device = setup_distributed(args.dist_timeout)
     torch.manual_seed(args.seed + rank)  # dropout and router noise differ per rank; weights come from --seed
-    model = build_model(args, device)
+    spec = moespec.load_spec(args.spec)
+    mesh = build_mesh(args, spec, world, device)
+    model = build_model(args, spec, device, mesh)
+    net, layout = lay_out(model, args, mesh)  # `model` is the same module, its experts this rank's
     dataset = build_dataset(args, model)
     # drop_last: every rank gets as many full batches of the same size (Soft MoE's even exchange needs it)
     sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=args.seed, drop_last=True)
@@ -237,15 +288,13 @@ def train(args: argparse.Namespace) -> None:
                            f"rank(s); lower --batch-size or add images")
     total = args.steps if args.steps is not None else (args.epochs or 1) * steps_per_epoch
 
-    optimizer = build_optimizer(model, args)
+    optimizer = build_optimizer(model, args)  # the laid-out parameters (FSDP2's DTensors under fsdp)
     scheduler = LambdaLR(optimizer, cosine_with_warmup(args.warmup_steps, total))
     step = resume_from(args.resume, model, optimizer, scheduler) if args.resume else 0
-    net = DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None) \
-        if dist.is_initialized() else model
     workers = args.workers if args.workers is not None else (0 if args.data is None else 4)
     main = rank == 0
     if main:
-        print(f"{model.moespec_spec.name}: {world} rank(s) on {device.type}, {args.batch_size} images per rank, "
+        print(f"{model.moespec_spec.name}: {layout}, {args.batch_size} images per rank, "
               f"{steps_per_epoch} steps per epoch, steps {step} -> {total}"
               + (f" (resumed from {args.resume})" if args.resume else ""), flush=True)
 
