@@ -65,8 +65,9 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, data: str = "fsdp") -> nn.Mo
         ranks = sorted(dist.get_process_group_ranks(expert_group(model)))
         wanted = sorted(dist.get_process_group_ranks(ep.get_group()))
         if ranks != wanted:
-            raise MoespecError(f"parallelize: this model's experts are already sharded over ranks {ranks}, but this "
-                               f"rank's row of the mesh's ep dim is {wanted}; shard them over mesh['ep'] "
+            rows = mesh.mesh.movedim(names.index("ep"), -1).reshape(-1, ep.size()).tolist()
+            raise MoespecError(f"parallelize: this model's experts are already sharded over ranks {ranks}, but the "
+                               f"mesh's ep rows are {rows}; shard them over mesh['ep'] "
                                f"(moespec.distributed.load(path, group=mesh['ep'].get_group())), or give parallelize "
                                f"the unsharded model")
     elif ep.size() > 1:

@@ -137,6 +137,9 @@ def run_case(case: str, rank: int, world: int) -> dict:
         return whole if bank is None else whole[bank.first: bank.first + bank.local_experts]
 
     grads = max(float((full(p.grad) - expected(n, ref_grads[n])).abs().max()) for n, p in named.named_parameters())
+    norms = max(abs(float(md.clip_grad_norm_(trained, 1e9, norm)) -  # a bound that clips nothing: the norm
+                    float(torch.linalg.vector_norm(torch.stack([g.norm(norm) for g in ref_grads.values()]), norm)))
+                for norm in (2.0, float("inf")))
     torch.optim.SGD(trained.parameters(), lr=0.5).step()
     moespec.update_bias(named)
     ref_params = dict(reference.named_parameters())
@@ -146,7 +149,8 @@ def run_case(case: str, rank: int, world: int) -> dict:
     bias = max((float((full(b) - ref_buffers[n]).abs().max()) for n, b in named.named_buffers()
                 if n.endswith("expert_bias")), default=0.0)
     return {"loss": abs(float(mean_loss) - float(ref_loss)), "loss_value": float(ref_loss), "grads": grads,
-            "grad_scale": max(float(g.abs().max()) for g in ref_grads.values()), "params": params, "bias": bias}
+            "grad_scale": max(float(g.abs().max()) for g in ref_grads.values()), "params": params, "bias": bias,
+            "norms": norms}
 
 
 def main() -> None:

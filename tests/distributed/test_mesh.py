@@ -55,6 +55,7 @@ def test_the_mesh_computes_what_one_process_computes(results, case):
         assert r["grads"] <= TOLERANCE, f"rank {rank}: a gradient differs from one process's by {r['grads']}"
         assert r["params"] <= TOLERANCE, f"rank {rank}: a parameter after the step differs by {r['params']}"
         assert r["bias"] <= TOLERANCE, f"rank {rank}: a balancing bias after update_bias differs by {r['bias']}"
+        assert r["norms"] <= TOLERANCE, f"rank {rank}: clip_grad_norm_'s 2- or inf-norm differs by {r['norms']}"
 
 
 @pytest.mark.parametrize("case", REFUSED)
@@ -68,7 +69,7 @@ def test_a_wrapping_that_would_be_wrong_is_refused_naming_parallelize(results, c
     if case.startswith("zero3"):
         assert "aux losses" in error, error
     if case.startswith("loaded-elsewhere"):
-        assert "already sharded over ranks [0, 1, 2, 3]" in error, error
+        assert "already sharded over ranks [0, 1, 2, 3], but the mesh's ep rows are [[0, 1], [2, 3]]" in error, error
 
 
 @pytest.fixture(scope="module")
