@@ -120,9 +120,15 @@ class ImageFFNMoE(MoE):
         """The gate once per image, k whole FFNs per image (`ffn_macs`, the dense FFN's traced MACs), the
         weighted combine (one MAC per output channel of each position of each chosen expert) and the shared
         copies."""
+        return self._macs(items, images, self.experts_per_item(items, images))
+
+    def exported_macs(self, items: int, images: int) -> int:
+        """Every copy on every image, weighted (`_dense_combine`, what torch.export and the meta device run)."""
+        return self._macs(items, images, self.num_experts)
+
+    def _macs(self, items: int, images: int, k: float) -> int:
         if self.ffn_macs is None:
             raise RuntimeError("ImageFFNMoE.ffn_macs is not set: counting sets it from the dense model's trace")
-        k = self.experts_per_item(items, images)
         return round(self.router.gate_macs(items, images) + k * images * self.ffn_macs
                      + k * items * self.out_features + self.shared_macs() * images)
 

@@ -133,6 +133,12 @@ class MoELayer(nn.Module):
         """MACs with every expert padded to its capacity (None for a layer without one)."""
         return None
 
+    def exported_macs(self, items: int, images: int) -> int:
+        """MACs of the layer in a `torch.export` graph, where no shape may depend on the data: a layer that routes
+        sparsely runs every expert on every item there (E / k times its experts' compute); the default, a layer
+        whose forward is the same function exported (Soft MoE), its activated MACs."""
+        return self.activated_macs(items, images)
+
     def einsum_macs(self, items: int, images: int) -> int | None:
         """MACs with dispatch and combine as one-hot einsums over each routing group (`stats --dispatch-flops
         einsum`); None for a layer whose count does not change with it."""

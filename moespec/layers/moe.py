@@ -181,6 +181,10 @@ class MoE(MoELayer):
         rows = self.router.capacity_rows(items)
         return None if rows is None else self._macs(items, images, rows)
 
+    def exported_macs(self, items: int, images: int) -> int:
+        """Every expert on every item, and the combine over all E (`_dense_combine`, what torch.export traces)."""
+        return self._macs(items, images, items * self.num_experts)
+
     def einsum_macs(self, items: int, images: int) -> int | None:
         """MACs as JAX implementations spend them (`stats --dispatch-flops einsum`; None without a capacity):
         dispatch `einsum('SM,SEC->ECM')` and combine `einsum('ECM,SEC->SM')` over each routing group of S items
