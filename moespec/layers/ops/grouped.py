@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.utils.flop_counter import register_flop_formula
 
 from .custom import custom_op
 
@@ -87,6 +88,20 @@ def _segment_outer_shape(a, b, offsets):
 
 _segment_mm = custom_op("segment_mm", _segment_mm, fake=_segment_mm_shape)
 _segment_outer = custom_op("segment_outer", _segment_outer, fake=_segment_outer_shape)
+
+
+@register_flop_formula(torch.ops.moespec.segment_mm, get_raw=True)
+def _segment_mm_flops(x, weight, offsets, transpose, dropped, *_, **__) -> int:
+    """torch's FlopCounterMode sees the grouped step's experts (as fvcore does through `fvcore_handles`): 2 per
+    multiply-add of the rows the segments hold (a dropped row past offsets[-1] is not multiplied)."""
+    rows = int(offsets[-1]) if dropped and offsets.numel() and offsets.device.type != "meta" else x.shape[0]
+    return 2 * rows * weight.shape[1] * weight.shape[2]
+
+
+@register_flop_formula(torch.ops.moespec.segment_outer, get_raw=True)
+def _segment_outer_flops(a, b, offsets, *_, **__) -> int:
+    """The weight gradients' grouped outer products: every row once."""
+    return 2 * a.shape[0] * a.shape[1] * b.shape[1]
 
 
 def segment_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, *, transpose: bool = True,
