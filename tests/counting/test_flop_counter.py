@@ -14,7 +14,8 @@ from moespec.layers import Experts, LinearGate, MoE, TopKRouter, device_path
 @pytest.mark.parametrize("top_k", [1, 2])
 def test_the_grouped_step_counts_the_gate_and_every_routed_row(top_k):
     tokens, dim, hidden, experts = 40, 16, 32, 4
-    layer = MoE(TopKRouter(LinearGate(dim, experts), experts, top_k), Experts(experts, dim, hidden, dim, act=torch.nn.GELU())).eval()
+    bank = Experts(experts, dim, hidden, dim, act=torch.nn.GELU())
+    layer = MoE(TopKRouter(LinearGate(dim, experts), experts, top_k), bank).eval()
     x = torch.randn(tokens, dim)
     with torch.no_grad(), device_path(), FlopCounterMode(display=False) as counter:
         layer(x)
@@ -26,7 +27,8 @@ def test_the_grouped_step_counts_the_gate_and_every_routed_row(top_k):
 
 def test_the_weight_gradients_are_counted_too():
     tokens, dim, hidden, experts = 40, 16, 32, 4
-    layer = MoE(TopKRouter(LinearGate(dim, experts), experts, 2), Experts(experts, dim, hidden, dim, act=torch.nn.GELU())).train()
+    bank = Experts(experts, dim, hidden, dim, act=torch.nn.GELU())
+    layer = MoE(TopKRouter(LinearGate(dim, experts), experts, 2), bank).train()
     x = torch.randn(tokens, dim, requires_grad=True)
     with device_path():
         y = layer(x)
