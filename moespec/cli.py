@@ -13,7 +13,7 @@ from typing import Annotated, Callable, List, Optional, Tuple
 import typer
 from rich.console import Console
 
-from .apps import compression, measure, terminal, vmoe_command
+from .apps import compression, hub_files, measure, terminal, vmoe_command
 from .apps.options import RANKS_HELP, Attention, Dispatch, DType, Format, HubFolder, MaxShardSize, OutputFile, Overwrite
 from .choices import MAX_POINTS, check_seed
 from .errors import MoespecError, SpecError
@@ -144,7 +144,7 @@ def compile_command(
     def body() -> None:
         limit = parse_size(max_shard_size, "--max-shard-size")  # the output's checks first: they need no torch
         check_seed(seed, "--seed")
-        check_output(output, force, folder=True) if hub else check_checkpoint_output(output, force)
+        hub_files.check_hub_output(output, force) if hub else check_checkpoint_output(output, force)
         from .apps.hub_folder import save_for_hf
         from .compiler import create_model, moe_layers
         from .io.sharding import checkpoint_files, index_file
@@ -197,7 +197,7 @@ def upcycle_command(
         given = list(sources or checkpoint or [])
         limit = parse_size(max_shard_size, "--max-shard-size")  # the output's checks first: they need no torch
         check_seed(seed, "--seed")
-        check_output(output, force, folder=True) if hub else check_checkpoint_output(output, force)
+        hub_files.check_hub_output(output, force) if hub else check_checkpoint_output(output, force)
         from .apps.hub_folder import upcycle_to_hub
         from .io.safetensors import DTYPE_NAMES
         from .weights import upcycle_to_checkpoint

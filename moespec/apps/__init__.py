@@ -12,4 +12,5 @@
     hub.py             the model of a Hub folder (`timm.create_model("local-dir:..." / "hf-hub:...")`)
     timm_features.py   the feature wrapper a timm family gives its model (`features_only`), asked of the family
     hub_folder.py      moespec's writer of the Hub layout (`moespec.save_for_hf`, `--hub`), with a model card
+    hub_files.py       which folder a Hub write may replace: only a Hub folder moespec wrote
 """

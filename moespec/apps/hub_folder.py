@@ -9,7 +9,8 @@ The folder holds `config.json` (written by timm's `save_config_for_hf`: moespec'
 in its header, so that it is a moespec checkpoint too) and `README.md`, a model card: the spec, the
 `moespec stats` table and how to load the model. It is built in a temp folder beside `folder` and renamed into
 place whole (`io.atomic_output`): a reader sees the previous folder or the new one, never a mix, and nothing
-else is touched. Upload it with `huggingface_hub.upload_folder` (or `huggingface-cli upload`).
+else is touched. It replaces only a Hub folder that moespec wrote (`hub_files`), with `force`. Upload it with
+`huggingface_hub.upload_folder` (or `huggingface-cli upload`).
 """
 
 from __future__ import annotations
@@ -23,10 +24,11 @@ from torch import nn
 from ..compiler import create_model
 from ..counting import render, stats
 from ..errors import MoespecError
-from ..io import atomic_output, check_output
+from ..io import atomic_output
 from ..spec import Spec
 from ..weights import save, upcycle_to_checkpoint
 from ..weights.checkpoint import spec_of_head
+from .hub_files import check_hub_output, not_a_hub_folder
 
 WEIGHTS, CONFIG, CARD = "model.safetensors", "config.json", "README.md"
 ONE_FILE = 2**62  # bytes: the weights in one file, the only form timm's hub reader takes
@@ -64,9 +66,9 @@ def upcycle_to_hub(spec: Spec, folder: str | Path, *, force: bool = False, model
 
 def _write_folder(folder: str | Path, model: nn.Module, spec: Spec, weights: Callable[[Path], None], *,
                   force: bool, model_config: dict | None, name: str | None = None) -> Path:
-    check_output(folder, force, folder=True)
+    check_hub_output(folder, force)
     card = model_card(spec, name or spec.name or Path(folder).name)
-    with atomic_output(folder, force=force, folder=True) as building:
+    with atomic_output(folder, force=force, folder=True, ours=not_a_hub_folder) as building:
         weights(building / WEIGHTS)
         save_config_for_hf(model, building / CONFIG, model_config=model_config)
         (building / CARD).write_text(card, encoding="utf-8")

@@ -30,7 +30,7 @@ import socket
 import string
 import tempfile
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 from ..errors import MoespecError
 from .lock import lock_file, output_lock
@@ -67,19 +67,33 @@ def dead_owner(pid: str, host: str | None) -> bool:
     return possible_pid(pid) and int(pid) <= PID_MAX and not foreign(host) and not _alive(int(pid))
 
 
-def check_output(path: str | Path, force: bool, *, folder: bool = False) -> Path:
+def check_output(path: str | Path, force: bool, *, folder: bool = False,
+                 ours: Callable[[Path], str | None] | None = None) -> Path:
     """Fail before any work if `path` cannot be written: it exists and `force` is not given (a report folder
     may exist empty), it is a folder where a file should go (or the reverse), or its parent folder neither
     exists nor can be created (it is created, like `mkdir -p`). A name that cannot be shown on one line (a
-    control character, bytes that are not UTF-8) is refused first. A report folder that a killed write was
-    replacing is put back first (`_restore_folder`)."""
+    control character, bytes that are not UTF-8) is refused first. A folder is written whole in place of its
+    path, so it is never the working directory or one that holds it (`-o .`, `-o ..`), nor an empty path; and
+    with `ours` (the folder -> why it is not this writer's, or None), `force` replaces only a folder `ours`
+    accepts. A report folder that a killed write was replacing is put back first (`_restore_folder`)."""
+    if folder and not str(path).strip():  # Path("") is Path("."): say what was given
+        raise MoespecError(f"{str(path)!r}: not a folder's name; name the folder to write (for example my-model)")
     path = check_name(path)
     if folder:
+        _check_own_folder(path)
         _restore_folder(path)
-    return _check_output(path, force, folder)
+    return _check_output(path, force, folder, ours)
 
 
-def _check_output(path: Path, force: bool, folder: bool) -> Path:
+def _check_own_folder(path: Path) -> None:
+    where, here = Path(os.path.abspath(path)), Path(os.getcwd())
+    if where == here or where in here.parents:
+        what = "the working directory" if where == here else f"a folder that holds the working directory ({here})"
+        raise MoespecError(f"{path}: {what}; an output folder is written whole in place of its path, so it must be a "
+                           f"folder of its own: name a new one (for example {path / 'my-model'})")
+
+
+def _check_output(path: Path, force: bool, folder: bool, ours: Callable[[Path], str | None] | None = None) -> Path:
     if folder and path.is_symlink():  # replacing it would replace the link, and leave the folder it names
         raise MoespecError(f"{path} is a symbolic link (to {os.readlink(path)}); a report folder is written under "
                            f"its own name, never through a link. Name the folder itself, or another one")
@@ -88,6 +102,9 @@ def _check_output(path: Path, force: bool, folder: bool) -> Path:
     if not folder and path.is_dir():
         raise MoespecError(f"{path} is a folder; the output is a file (for example {path / 'model.safetensors'})")
     taken = path.exists() and not (folder and not any(path.iterdir()))
+    if taken and ours is not None and (why := ours(path)) is not None:
+        raise MoespecError(f"{path}: a folder that moespec did not write: {why}. --force replaces only a folder "
+                           f"moespec wrote, never one of your files; choose another folder")
     if taken and not force:
         what = " and is not empty; pass --force to replace it" if folder else "; pass --force to overwrite it"
         raise MoespecError(f"{path} already exists{what}")
@@ -114,7 +131,8 @@ def check_name(path: str | Path) -> Path:
 
 
 @contextlib.contextmanager
-def atomic_output(path: str | Path, *, force: bool = False, folder: bool = False) -> Iterator[Path]:
+def atomic_output(path: str | Path, *, force: bool = False, folder: bool = False,
+                  ours: Callable[[Path], str | None] | None = None) -> Iterator[Path]:
     """Yield a temp path (a file, or an empty folder with `folder`) next to `path`; on success make it whole
     on disk and rename it to `path`, replacing what was there only with `force` (`check_output`).
 
@@ -122,11 +140,11 @@ def atomic_output(path: str | Path, *, force: bool = False, folder: bool = False
     held throughout (`lock.output_lock`), and `path` is checked again under it: of two writers at once, the
     second waits for the first, then replaces its output only with `force`.
     """
-    path = check_output(path, force, folder=folder)
+    path = check_output(path, force, folder=folder, ours=ours)
     with output_lock(path):
         if folder:
             _restore_folder(path, locked=True)
-        _check_output(path, force, folder)
+        _check_output(path, force, folder, ours)
         with temp_output(path, folder=folder) as tmp:
             yield tmp
             if folder:

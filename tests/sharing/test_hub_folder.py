@@ -103,3 +103,44 @@ def test_compile_and_upcycle_write_the_hub_layout(tmp_path, dense_checkpoint):
     upcycled = timm.create_model(f"local-dir:{tmp_path / 'upcycled'}", pretrained=True).eval()
     _same_outputs(upcycled, moespec.upcycle(spec, checkpoint=dense_path, seed=0))  # the streamed weights
     assert sorted(os.listdir(tmp_path / "upcycled")) == ["README.md", "config.json", "model.safetensors"]
+
+
+def test_force_replaces_only_a_hub_folder_moespec_wrote(tmp_path):
+    """Issue 64, point 1: `--force` on a folder of the user's files (a project folder with its spec, a
+    checkpoint, notes) refuses, and every file stays; a moespec Hub folder is still replaced."""
+    model = _model(tmp_path)
+    project = tmp_path / "proj"
+    project.mkdir()
+    files = {"s.yaml": SPEC, "notes.txt": "mine", "dense.safetensors": "weights"}
+    for name, text in files.items():
+        (project / name).write_text(text)
+    with pytest.raises(moespec.MoespecError, match="did not write: it holds files a moespec Hub folder does not"):
+        moespec.save_for_hf(model, project, force=True)
+    assert {f.name: f.read_text() for f in project.iterdir()} == files
+    fake = tmp_path / "fake"  # the Hub's file names, but not moespec's config
+    fake.mkdir()
+    (fake / "config.json").write_text('{"architecture": "resnet50"}')
+    with pytest.raises(moespec.MoespecError, match="does not name moespec's architecture"):
+        moespec.save_for_hf(model, fake, force=True)
+    assert (fake / "config.json").read_text() == '{"architecture": "resnet50"}'
+    hub = tmp_path / "hub"
+    moespec.save_for_hf(model, hub)
+    moespec.save_for_hf(randomize(model, seed=7), hub, force=True)  # moespec's own: replaced
+    assert sorted(os.listdir(hub)) == ["README.md", "config.json", "model.safetensors"]
+
+
+@pytest.mark.parametrize("output", [".", "", "..", "CWD", "/"])
+def test_the_working_directory_is_never_an_output_folder(tmp_path, monkeypatch, output):
+    """`-o .`, `-o ''`, `-o ..`, the working directory by name and `/`, with `--hub --force`: one error, exit 2
+    (no internal error), and nothing in the working directory touched."""
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "spec.yaml").write_text(SPEC)
+    (work / "notes.txt").write_text("mine")
+    monkeypatch.chdir(work)
+    target = str(work) if output == "CWD" else output
+    result = CliRunner().invoke(app, ["compile", "spec.yaml", "-o", target, "--hub", "--force"])
+    assert result.exit_code == 2, result.output
+    assert "internal error" not in result.output and ("working directory" in result.output
+                                                      or "not a folder's name" in result.output), result.output
+    assert sorted(os.listdir(work)) == ["notes.txt", "spec.yaml"]
