@@ -47,8 +47,10 @@ def create_hub_model(pretrained: bool = False, pretrained_cfg: dict | None = Non
     cache_dir = kwargs.pop("cache_dir", None)
     saved = kwargs.pop("pretrained_model_args", None) or {}
     classes = kwargs.get("num_classes")
-    if pretrained and "num_classes" in saved:
-        kwargs["num_classes"] = saved["num_classes"]  # the saved head; `classes` replaces it after the load
+    if pretrained and "num_classes" in saved:  # timm's own export: the saved head in model_args
+        kwargs["num_classes"] = saved["num_classes"]  # `classes` replaces it after the load
+    elif pretrained:  # moespec's writer: the carried spec sizes the saved head (`hub_folder.write_config`)
+        kwargs.pop("num_classes", None)
     spec = spec_with_model_args(embedded_spec(origin, carried), kwargs)
     spec = spec.model_copy(update={"aux_loss_in_backward": True})  # as `register_timm`
     model = create_model(spec, device=placement.get("device") or "cpu")

@@ -4,17 +4,19 @@ guarantees and a model card.
     save_for_hf(model, folder)           a model in memory (`moespec.save_for_hf`, `moespec compile --hub`)
     upcycle_to_hub(spec, folder, ...)    upcycled straight to the folder, one layer at a time (`upcycle --hub`)
 
-The folder holds `config.json` (written by timm's `save_config_for_hf`: moespec's architecture, the spec in
-`model_args`, the pretrained_cfg), `model.safetensors` (one file, as timm's hub reader takes it; the spec also
-in its header, so that it is a moespec checkpoint too) and `README.md`, a model card: the spec, the
-`moespec stats` table and how to load the model. It is built in a temp folder beside `folder` and renamed into
-place whole (`io.atomic_output`): a reader sees the previous folder or the new one, never a mix, and nothing
-else is touched. It replaces only a Hub folder that moespec wrote (`hub_files`), with `force`. Upload it with
-`huggingface_hub.upload_folder` (or `huggingface-cli upload`).
+The folder holds `config.json` (written by timm's `save_config_for_hf`: moespec's architecture, the spec of the
+saved head in `model_args`, the pretrained_cfg; `write_config`), `model.safetensors` (one file, as timm's hub
+reader takes it; the spec also in its header, so that it is a moespec checkpoint too) and `README.md`, a model
+card: the spec, the `moespec stats` table and how to load the model. It is built in a temp folder beside `folder`
+and renamed into place whole (`io.atomic_output`): a reader sees the previous folder or the new one, never a mix,
+and nothing else is touched; it replaces only a Hub folder that moespec wrote (`hub_files`), with `force`. Upload
+it with `huggingface_hub.upload_folder` (or `huggingface-cli upload`). transformers builds the same model from it
+too (`AutoModelForImageClassification`, `TimmWrapperModel`: through timm, once moespec is imported).
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any, Callable
 
@@ -25,7 +27,7 @@ from ..compiler import create_model
 from ..counting import render, stats
 from ..errors import MoespecError
 from ..io import atomic_output
-from ..spec import Spec
+from ..spec import HUB_SPEC_ARG, Spec, spec_metadata
 from ..weights import save, upcycle_to_checkpoint
 from ..weights.checkpoint import spec_of_head
 from .hub_files import check_hub_output, not_a_hub_folder
@@ -70,9 +72,21 @@ def _write_folder(folder: str | Path, model: nn.Module, spec: Spec, weights: Cal
     card = model_card(spec, name or spec.name or Path(folder).name)
     with atomic_output(folder, force=force, folder=True, ours=not_a_hub_folder) as building:
         weights(building / WEIGHTS)
-        save_config_for_hf(model, building / CONFIG, model_config=model_config)
+        write_config(model, spec, building / CONFIG, model_config)
         (building / CARD).write_text(card, encoding="utf-8")
     return Path(folder)
+
+
+def write_config(model: nn.Module, spec: Spec, file: Path, model_config: dict | None) -> None:
+    """config.json: timm's `save_config_for_hf`, with `spec` (the model's, with its head as it is now) in
+    `model_args`, and no `num_classes` there: the spec sizes the head. transformers' TimmWrapper passes its own
+    `num_classes` (the root one, or 0 for `TimmWrapperModel`) beside the config's `model_args`, and a second one
+    in them is Python's "got multiple values for keyword argument 'num_classes'". The root `num_classes` and
+    `pretrained_cfg.num_classes` stay, as timm writes them."""
+    save_config_for_hf(model, file, model_config=model_config, model_args={HUB_SPEC_ARG: spec_metadata(spec)})
+    config = json.loads(file.read_text(encoding="utf-8"))
+    config.get("model_args", {}).pop("num_classes", None)
+    file.write_text(json.dumps(config, indent=2), encoding="utf-8")
 
 
 def model_card(spec: Spec, name: str) -> str:
@@ -103,6 +117,16 @@ import moespec, timm
 model = timm.create_model("hf-hub:ORG/NAME", pretrained=True)      # or "local-dir:PATH/TO/FOLDER"
 features = timm.create_model("hf-hub:ORG/NAME", pretrained=True, features_only=True)  # a dense-task backbone
 model = moespec.load("PATH/TO/FOLDER")                              # the same model, through moespec
+```
+
+transformers builds it through timm as well, in any import order, once moespec is imported:
+
+```python
+import moespec
+from transformers import AutoModelForImageClassification, TimmWrapperModel
+
+model = AutoModelForImageClassification.from_pretrained("ORG/NAME")  # logits: model(pixel_values).logits
+backbone = TimmWrapperModel.from_pretrained("ORG/NAME")              # no head: pooler_output
 ```
 
 `moespec stats FOLDER` and `moespec plan FOLDER` print the figures below and the layer plan.

@@ -117,6 +117,14 @@ class BalancingBias(nn.Module):
         self.forwards = 0  # training forwards since the last step (`balancing.BiasOnStep` warns past a bound)
         self.by_loop = False  # stepped by the loop (`update_bias`), not after each optimizer step (`BIAS_ON_STEP`)
 
+    def init_non_persistent_buffers(self) -> None:
+        """No choices counted yet. timm's and transformers' name: transformers builds a model on the meta device
+        and calls this where a module has it, since a buffer that no checkpoint holds comes out of that build
+        uninitialized (`TimmWrapperPreTrainedModel._init_weights`); garbage counts would move the first step's
+        bias."""
+        self.tokens_per_expert.zero_()
+        self.forwards = 0
+
     @torch.no_grad()
     def count(self, experts: torch.Tensor) -> None:
         """Add the choices `experts` (any shape) to this step's loads."""

@@ -195,6 +195,18 @@ def test_bias_is_a_buffer_saved_and_loaded(tmp_path):
         assert each._ddp_params_and_buffers_to_ignore == ["blocks.1.mlp.router.balance.tokens_per_expert"]
 
 
+
+def test_a_meta_build_starts_its_counts_at_zero():
+    """transformers builds on the meta device and then calls `init_non_persistent_buffers` where a module has it
+    (timm's name): the counts, which no checkpoint holds, start at zero, not at the memory they were given."""
+    spec = make_spec(TINY_VIT, [{"where": {"every": 2}, "experts": 4, "aux_loss": [], "router": {
+        "kind": "topk", "top_k": 1, "bias_balance": {"rate": 0.001}}}])
+    balance = next(iter(moespec.moe_layers(moespec.create_model(spec)).values())).router.balance
+    balance.tokens_per_expert.fill_(7)
+    balance.forwards = 3
+    balance.init_non_persistent_buffers()
+    assert balance.tokens_per_expert.tolist() == [0, 0, 0, 0] and balance.forwards == 0
+
 def test_plan_describes_every_option():
     spec = make_spec(TINY_VIT, [{"where": {"every": 2}, "experts": 8, "aux_loss": [], "router": {
         "kind": "topk", "top_k": 2, "score": "sigmoid", "scale": 2.5, "bias_balance": {"rate": 0.001},

@@ -4,6 +4,7 @@ or the new one whole, and nothing else in its parent touched."""
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -14,6 +15,7 @@ from typer.testing import CliRunner
 import moespec
 import moespec.apps.hub_folder as hub_folder
 from moespec.cli import app
+from moespec.spec import hub_spec
 
 from ..conftest import randomize
 
@@ -59,6 +61,26 @@ def test_save_for_hf_writes_a_folder_timm_and_moespec_load_with_a_model_card(tmp
     assert f"{record.total_params / 1e6:.2f}" in card and f"{record.activated_params / 1e6:.2f}" in card
     result = CliRunner().invoke(app, ["stats", str(folder), "--format", "json"])
     assert result.exit_code == 0 and f'"total_params": {record.total_params}' in result.output
+
+
+def test_the_config_sizes_the_head_by_the_spec_not_by_model_args(tmp_path):
+    """transformers' TimmWrapper passes `num_classes` beside the config's model_args, so the folder has none
+    there (issue 63, point 4): the carried spec sizes the head, also one that `reset_classifier` changed after the
+    build, with pretrained weights or without, and a new `num_classes` still fine-tunes from the folder."""
+    model = _model(tmp_path)
+    model.reset_classifier(5)
+    randomize(model.head, seed=3)
+    folder = moespec.save_for_hf(model, tmp_path / "hub")
+    config = json.loads((folder / "config.json").read_text())
+    assert "num_classes" not in config["model_args"] and config["num_classes"] == 5
+    assert config["model_args"]["global_pool"] == "token" and "moespec" in config["model_args"]
+    _same_outputs(model, timm.create_model(f"local-dir:{folder}", pretrained=True))
+    assert timm.create_model(f"local-dir:{folder}").num_classes == 5
+    assert moespec.load(folder).num_classes == 5
+    assert hub_spec(folder).backbone.kwargs["num_classes"] == 5
+    tuned = timm.create_model(f"local-dir:{folder}", pretrained=True, num_classes=2)
+    assert tuned.num_classes == 2
+    torch.testing.assert_close(tuned.blocks[1].mlp.experts.fc1.weight, model.blocks[1].mlp.experts.fc1.weight)
 
 
 def test_an_existing_folder_is_replaced_whole_only_with_force(tmp_path, monkeypatch):
