@@ -34,7 +34,8 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-out = Console(width=None if sys.stdout.isatty() else 240)  # never truncate tables piped to a file
+out = Console(width=None if sys.stdout.isatty() else 240, highlight=False)  # tables piped to a file: never cut;
+# no highlighting: rich's repr highlighter is quadratic in a long word (a spec named by 60,000 letters took 57 s)
 
 
 _debug = _quiet = False

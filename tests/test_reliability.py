@@ -16,6 +16,7 @@ from argparse import Namespace
 
 import pytest
 import torch
+import yaml
 from safetensors.torch import save_file
 from typer.testing import CliRunner
 
@@ -322,3 +323,45 @@ def test_a_full_disk_is_a_user_error_that_keeps_the_old_output(spec_file, tmp_pa
         other = [TensorInfo(f"u{i}", (100,), torch.float32) for i in range(4)]
         write_sharded(old, other, lambda info: torch.zeros(100), {}, max_shard_size=400, force=True)
     assert len(writes) == 2 and {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+
+
+@pytest.mark.parametrize("step", ["weights", "config", "card"])
+def test_a_full_disk_while_a_hub_folder_is_written_is_a_user_error_that_keeps_the_old_folder(
+        spec_file, tmp_path, monkeypatch, step):
+    """Issue 64, point 2: `--hub --force` over a Hub folder, the disk full at each of its three files: one error
+    line, exit 2 (not "internal error: OSError"), and the old folder whole, nothing else left beside it."""
+    import moespec.apps.hub_folder as hub_folder
+
+    folder = tmp_path / "hub"
+    assert _cli("compile", spec_file, "-o", folder, "--hub", "--seed", 1).exit_code == 0
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    if step == "weights":
+        monkeypatch.setattr("moespec.io.writer.write_safetensors", full)
+    elif step == "config":
+        monkeypatch.setattr(hub_folder, "save_config_for_hf", full)
+    else:
+        real = hub_folder.Path.write_text
+        monkeypatch.setattr(hub_folder.Path, "write_text",
+                            lambda self, *a, **k: full() if self.name == "README.md" else real(self, *a, **k))
+    result = _cli("compile", spec_file, "-o", folder, "--hub", "--force", "--seed", 2)
+    _one_error_line(result, str(folder), "No space left on device")
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hub", "spec.yaml"]
+
+
+@pytest.mark.slow
+def test_plan_of_a_spec_named_by_one_long_word_takes_linear_time(tmp_path):
+    """Issue 64, point 3: a spec whose name is one word of 120,000 letters. rich's repr highlighter was
+    quadratic in it (15,000 letters took 4 s, 60,000 took 57 s, so 120,000 would take about 230 s); plain text
+    takes about a second. The limit is wide, so that only the quadratic path can reach it."""
+    document = make_spec(TINY_VIT, SPEC).model_dump(mode="json", exclude_none=True)
+    path = write(tmp_path, yaml.safe_dump({**document, "name": "a" * 120_000}), "long.yaml")
+    env = {**os.environ, "MOESPEC_CACHE_DIR": str(tmp_path / "cache")}
+    done = subprocess.run([sys.executable, "-m", "moespec.cli", "plan", str(path)], capture_output=True, text=True,
+                          timeout=60, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "a" * 1000 in done.stdout

@@ -192,6 +192,15 @@ def markdown(rows: list[dict], timm_version: str, torch_version: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+KEPT = "<!-- written by hand: tools/coverage.py keeps everything below this line -->"
+
+
+def kept_sections(path: Path) -> str:
+    """The hand-written part of an existing page (from the KEPT line on), which a new table keeps."""
+    text = path.read_text() if path.is_file() else ""
+    return "\n" + text[text.index(KEPT):] if KEPT in text else ""
+
+
 def markdown_row(r: dict) -> str:
     """One model's row of the table."""
     reason = r.get("reason", "").replace("|", "\\|")
@@ -226,7 +235,7 @@ def main() -> None:
                 print(f"{row['module']:24s} {row['model']:40s} {row['status']:8s} {row.get('seconds', 0):6.1f} s  "
                       f"{row.get('reason', '')[:100]}", flush=True)
     if args.markdown:
-        text = markdown(rows, timm.__version__, torch.__version__)
+        text = markdown(rows, timm.__version__, torch.__version__) + kept_sections(args.markdown)
         temp = args.markdown.with_suffix(".tmp")
         temp.write_text(text)
         temp.replace(args.markdown)

@@ -64,7 +64,8 @@ def progress(description: str, quiet: bool = False):
             f"moespec: {description}: {done + 1}/{total} {item}")
         return
     bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                   TextColumn("{task.fields[item]}"), TimeElapsedColumn(), console=Console(stderr=True), transient=True)
+                   TextColumn("{task.fields[item]}"), TimeElapsedColumn(),
+                   console=Console(stderr=True, highlight=False), transient=True)
     task = bar.add_task(description, total=None, item="")
     with bar:
         yield lambda item, done, total: bar.update(task, completed=done, total=total, item=item)

@@ -137,7 +137,8 @@ def tabulate(columns: Sequence[str], rows: Sequence[Sequence[str]], format: str,
         table.add_column(column, justify="left" if text else "right", no_wrap=text)
     for row in rows:
         table.add_row(*row)
-    console = Console(width=max(100, sum(len(c) + 3 for c in columns) + 40), record=True, file=io.StringIO())
+    console = Console(width=max(100, sum(len(c) + 3 for c in columns) + 40), record=True, file=io.StringIO(),
+                      highlight=False)
     console.print(table)
     return console.export_text()
 

@@ -35,6 +35,8 @@ from typing import Callable, Iterator
 from ..errors import MoespecError
 from .lock import lock_file, output_lock
 
+WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG}  # a write's errors that the user must fix
+
 HOST_TAG = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
 OWNER = r"(\d+)(?:@([0-9a-f]{8}))?"
 """A leftover's writer in its name: its pid and host (`owner_tag`); no host: a name from before host tags."""
@@ -136,7 +138,9 @@ def atomic_output(path: str | Path, *, force: bool = False, folder: bool = False
     """Yield a temp path (a file, or an empty folder with `folder`) next to `path`; on success make it whole
     on disk and rename it to `path`, replacing what was there only with `force` (`check_output`).
 
-    On any error the temp output is removed; the previous `path`, if any, is untouched. The output's lock is
+    On any error the temp output is removed; the previous `path`, if any, is untouched. An OSError while the
+    output is written or renamed that only the user can fix (a full disk: `WRITE_ERRNOS`) is a `MoespecError`
+    that names `path`. The output's lock is
     held throughout (`lock.output_lock`), and `path` is checked again under it: of two writers at once, the
     second waits for the first, then replaces its output only with `force`.
     """
@@ -146,11 +150,21 @@ def atomic_output(path: str | Path, *, force: bool = False, folder: bool = False
             _restore_folder(path, locked=True)
         _check_output(path, force, folder, ours)
         with temp_output(path, folder=folder) as tmp:
-            yield tmp
-            if folder:
-                _replace_folder(tmp, path)
-            else:
-                commit(tmp, path)
+            try:
+                yield tmp
+                if folder:
+                    _replace_folder(tmp, path)
+                else:
+                    commit(tmp, path)
+            except MoespecError as err:  # a writer's error names the temp output: name the output instead
+                if type(err) is not MoespecError or str(tmp) not in str(err):
+                    raise
+                raise MoespecError(str(err).replace(str(tmp), str(path))) from None
+            except OSError as err:  # a full disk, a file system made read-only meanwhile: the user's to fix
+                if err.errno not in WRITE_ERRNOS:
+                    raise
+                raise MoespecError(f"{path}: cannot write it ({err.strerror or err}); the output there before, if "
+                                   f"any, is what a reader still gets") from None
 
 
 @contextlib.contextmanager
