@@ -9,6 +9,9 @@ The write paths, each through the library function its command calls:
     report      `inspect -o`: write_report, a folder (index.html, summary.json, a figure per layer)
     plot        `sweep --plot` and every figure: save_figure, one file (atomic_output)
     state       `moespec.distributed.save_state`: a DCP folder swapped in by renames
+    hub         `compile --hub` / `upcycle --hub` / `moespec.save_for_hf`: a Hub folder (config.json, README.md,
+                model.safetensors) swapped in whole
+    compress    `prune` / `merge` / `densify`: `weights.save` of the new model (its own spec and tensor names)
 
 Each round (`--rounds` per path) writes the output (value 0; for a report, plot or state, in a third of the
 rounds nothing is there before), then forks one or two writers that rewrite it at once (each its own value and,
@@ -262,9 +265,118 @@ class States:
             (folder / name / file).write_text("not yours")
 
 
-for _kind in (Reports, Plots, States):
+class HubFolders:
+    """save_for_hf of a tiny ViT MoE model (`compile --hub`, `upcycle --hub` write the same folder): its weights
+    base + the write's value, its class names and model card naming the write. A folder reads as one write when
+    config.json, README.md and model.safetensors all name the same one."""
+
+    name, output = "hub", "hub"
+
+    def __init__(self, rng: random.Random):
+        import moespec
+
+        self.rng = rng
+        spec = moespec.load_spec({"name": "fuzz", "backbone": TINY_VIT, "input_size": [3, 32, 32],
+                                  "moe": [{"where": {"every": 1}, "experts": 4, "top_k": 2}]})
+        self.model = moespec.create_model(spec, seed=0)
+        self.base = {name: p.detach().clone() for name, p in self.model.state_dict().items()}
+
+    def write(self, path: Path, value: int, force: bool) -> None:
+        import moespec
+
+        with torch.no_grad():
+            for name, tensor in self.model.state_dict().items():
+                tensor.copy_(self.base[name] + value)
+        moespec.save_for_hf(self.model, path, force=force, name=f"write-{value}",
+                            model_config={"label_names": [f"write-{value}-{i}" for i in range(10)]})
+
+    def read(self, path: Path) -> int | None:
+        import moespec
+
+        if not path.exists():
+            return None
+        config = json.loads((path / "config.json").read_text())
+        value = int(config["label_names"][0].split("-")[1])
+        if f"write-{value}" not in (path / "README.md").read_text():
+            raise AssertionError(f"config.json of write {value}, README.md of another")
+        state = moespec.load(path).state_dict()
+        torn = [n for n, t in state.items() if not torch.equal(t, self.base[n] + value)]
+        if torn:
+            raise AssertionError(f"config.json of write {value}, other weights: {torn[:2]}")
+        return value
+
+    def plant(self, folder: Path) -> None:
+        self.write(folder / "other-hub", 9, False)
+        (folder / "notes.txt").write_text("a user's")
+        planted = folder / f".{self.output}.{_dead_pid()}.abcdefgh.tmp"
+        planted.mkdir()
+        (planted / "config.json").write_text("a user's")
+
+
+class Compressed:
+    """The compress commands' write (`prune`, `merge`, `densify`: `weights.save` of the new model, as 1, 2 or 4
+    shards): a tiny ViT MoE of 4 experts pruned to 2, merged into 3, or densified, by the write's value (each
+    its own spec, tensor names and shapes), its weights base + the value. A checkpoint reads as one write when its spec
+    is one operation's and every tensor is that model's + the value."""
+
+    name, output = "compress", "small.safetensors"
+
+    def __init__(self, rng: random.Random):
+        import moespec
+        from moespec.compress import densify_with_report, merge_with_report, prune_with_report
+
+        self.rng = rng
+        spec = moespec.load_spec({"name": "fuzz", "backbone": {**TINY_VIT, "kwargs": {**TINY_VIT["kwargs"],
+                                                                                       "embed_dim": 128}},
+                                  "input_size": [3, 32, 32],
+                                  "moe": [{"where": {"every": 1}, "experts": 4, "top_k": 2}]})
+        images = torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+        self.models = [prune_with_report(moespec.create_model(spec, seed=0), images, 2)[0],
+                       merge_with_report(moespec.create_model(spec, seed=0), images, 3)[0],
+                       densify_with_report(moespec.create_model(spec, seed=0))[0]]
+        self.bases = [{n: t.detach().clone() for n, t in m.state_dict().items()} for m in self.models]
+
+    def write(self, path: Path, value: int, force: bool) -> None:
+        from moespec.weights import save
+
+        model, base = self.models[value % 3], self.bases[value % 3]
+        with torch.no_grad():
+            for name, tensor in model.state_dict().items():
+                tensor.copy_(base[name] + value)
+        save(model, path, force=force, max_shard_size=self.rng.choice([1 << 30, 700 << 10, 400 << 10]))
+
+    def read(self, path: Path) -> int | None:
+        import moespec
+
+        if not path.exists() and not path.with_name(path.name + ".index.json").exists():
+            return None
+        model = moespec.load(path)
+        state = model.state_dict()
+        shapes = {n: t.shape for n, t in state.items()}
+        kinds = [i for i, base in enumerate(self.bases) if {n: t.shape for n, t in base.items()} == shapes]
+        if len(kinds) != 1:
+            raise AssertionError(f"tensors of no one operation's model: {len(state)} tensors")
+        base = self.bases[kinds[0]]
+        name = next(iter(state))
+        value = int(round(float((state[name] - base[name]).flatten()[0])))
+        torn = [n for n, t in state.items() if not torch.equal(t, base[n] + value)]
+        if torn or value % 3 != kinds[0]:
+            raise AssertionError(f"write {value}'s spec with other tensors: {torn[:2]}")
+        return value
+
+    def outputs(self, path: Path) -> list[Path]:
+        return Checkpoints.outputs(self, path)
+
+    def plant(self, folder: Path) -> None:
+        self.write(folder / "other.safetensors", 9, False)
+        planted = folder / f".{self.output}.{_dead_pid()}.abcdefgh.tmp"
+        planted.mkdir()
+        (planted / "notes.txt").write_text("a user's")
+
+
+for _kind in (Reports, Plots, States, HubFolders):
     _kind.outputs = lambda self, path: [path]
-PATHS = {kind.name: kind for kind in (Checkpoints, Reports, Plots, States)}
+PATHS = {kind.name: kind for kind in (Checkpoints, Reports, Plots, States, HubFolders, Compressed)}
 
 
 def _fork_writer(kind, path: Path, value: int) -> tuple[int, int]:
