@@ -5,7 +5,9 @@ One JSON file per backbone, named by a hash of all that shapes its sketch: the t
 the versions of timm and torch, and the source of the code that reads a backbone (an edit to an adapter
 starts afresh). The entry records that key too, and, per input size, whether the model took it. An entry is
 trusted only when it is ours: a plain file of this user's that no one else may write, holding the key it is
-filed under. One that is missing, unreadable, another user's (a shared `MOESPEC_CACHE_DIR`) or filed under
+filed under, and signed by this cache's writer (an HMAC of the entry with a random key kept in the cache folder,
+private to the user, `.key-UID`): an entry planted or edited by hand, even as this user, matches no signature.
+One that is missing, unreadable, unsigned, another user's (a shared `MOESPEC_CACHE_DIR`) or filed under
 another key is rebuilt from the model, and a write that fails is skipped: the cache changes how fast an
 answer comes, never the answer. The CLI uses it (`plan(spec, cached=True)`); the library does not,
 since code that registers its own timm models, adapters or rebuilders may change them under the same name.
@@ -21,8 +23,10 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import hmac
 import json
 import os
+import secrets
 import tempfile
 from dataclasses import asdict
 from importlib import metadata
@@ -34,7 +38,7 @@ from ..files import RefusedFile, load_json, read_regular
 from ..spec import BackboneSketch, Block, BlockLayout, FFNShape, Rescalable, Spec, located
 from .checks import input_refusal, input_size_of, input_size_problem
 
-FORMAT = 2  # of an entry's JSON (2: it records its key)
+FORMAT = 3  # of an entry's JSON (2: it records its key; 3: it is signed)
 MAX_ENTRY_BYTES = 4_000_000  # a sketch of a 1,000-block model is ~200 kB
 MAX_INPUT_SIZES = 32  # input-size outcomes kept per backbone
 SKETCH_SOURCES = ("backbones", "spec/blocks.py", "planning/checks.py", "planning/cache.py")  # under moespec/
@@ -111,13 +115,46 @@ def _problem(spec: Spec, size: tuple[int, int, int], refusal: str | None) -> Pro
     return None if refusal is None else input_size_problem(spec, size, refusal)
 
 
+def _signature(secret: bytes, entry: dict) -> str:
+    """The HMAC-SHA256 of an entry's JSON (its fields but the signature, keys sorted)."""
+    body = json.dumps({k: v for k, v in entry.items() if k != "signature"}, sort_keys=True).encode()
+    return hmac.new(secret, body, hashlib.sha256).hexdigest()
+
+
+def _secret(folder: Path, *, create: bool) -> bytes | None:
+    """This user's signing key in the cache `folder` (32 random bytes, a plain file of this user's that no one
+    else may read), made with `create` when there is none (through a temp file linked into place, so that of two
+    writers at once one key wins whole); None when there is none or it is not ours."""
+    file = folder / f".key-{os.geteuid()}"
+    try:
+        secret = read_regular(file, 64, own=True)
+        return secret if len(secret) == 32 and not os.stat(file).st_mode & 0o077 else None
+    except RefusedFile:
+        if not create or os.path.lexists(file):
+            return None
+    folder.mkdir(parents=True, exist_ok=True)
+    descriptor, temp = tempfile.mkstemp(dir=folder, prefix=".key.", suffix=".tmp")  # 0600
+    try:
+        with os.fdopen(descriptor, "wb") as out:
+            out.write(secrets.token_bytes(32))
+        with contextlib.suppress(FileExistsError):  # another writer's key won: use it
+            os.link(temp, file)
+    finally:
+        os.unlink(temp)
+    return _secret(folder, create=False)
+
+
 def _write(file: Path, key: dict, sketch: BackboneSketch, refusals: dict) -> None:
-    """Write the entry through a temp file and a rename (a reader sees all of it or none); skip it on failure.
-    The file is private to this user (mkstemp's 0600), as `_read` requires."""
+    """Write the entry, signed, through a temp file and a rename (a reader sees all of it or none); skip it on
+    failure. The file is private to this user (mkstemp's 0600), as `_read` requires."""
     entry = {"format": FORMAT, "key": key, "sketch": asdict(sketch),
              "inputs": [[list(size), refusal] for size, refusal in refusals.items()]}
     temp = None
     try:
+        secret = _secret(file.parent.parent, create=True)
+        if secret is None:
+            return
+        entry["signature"] = _signature(secret, entry)
         file.parent.mkdir(parents=True, exist_ok=True)
         descriptor, temp = tempfile.mkstemp(dir=file.parent, prefix=f".{file.stem}.", suffix=".tmp")
         with os.fdopen(descriptor, "w") as out:
@@ -131,19 +168,20 @@ def _write(file: Path, key: dict, sketch: BackboneSketch, refusals: dict) -> Non
 
 def _read(file: Path, key: dict) -> tuple[BackboneSketch, dict] | None:
     """The entry at `file`, or None when there is none, it is not ours, or it is not a whole entry of this format
-    filed under `key`."""
+    filed under `key` and signed with this user's key."""
     try:
         # a plain file (never a fifo, device or link) of this user's that no one else may write: an entry another
         # user wrote in a shared cache folder, or could have changed, is not trusted
         entry = load_json(read_regular(file, MAX_ENTRY_BYTES, own=True))
         if not isinstance(entry, dict) or entry.get("format") != FORMAT or entry.get("key") != key:
             return None
+        secret = _secret(file.parent.parent, create=False)
+        if secret is None or not hmac.compare_digest(str(entry.get("signature")), _signature(secret, entry)):
+            return None
         refusals = {_ints(size, 3): _optional_str(refusal) for size, refusal in entry["inputs"]}
         return _sketch(entry["sketch"]), refusals
     except (RefusedFile, OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
-
-
 
 
 def _sketch(data: dict) -> BackboneSketch:

@@ -200,11 +200,31 @@ def test_an_entry_that_is_not_ours_changes_nothing(cache, how, monkeypatch):
         assert plan(spec, cached=True) == expected and not file.stat().st_mode & 0o077
 
 
-def test_an_entry_of_ours_is_used_as_it_is(cache):
-    """The check above is on trust, not on the widths: our own entry is read without building the model."""
+def test_an_entry_planted_or_edited_by_this_user_changes_nothing(cache):
+    """Issue 64, point 4: a well-formed entry of this user's, private, filed under its key, but written by hand
+    (hidden width 1024 for 1536) made `plan` report it. It matches no signature of the cache's own key, so the
+    backbone is read from the model again and the entry written anew."""
     spec = make_spec(TINY_VIT, [{"where": {"every": 1}, "experts": 4}])
-    _forged(cache, spec, 1024)
-    assert plan(spec, cached=True).layers[0].expert_hidden == 1024
+    expected = plan(spec)
+    file = _forged(cache, spec, 1024)
+    assert not file.stat().st_mode & 0o077  # ours, as a planted entry of this user's is
+    assert plan(spec, cached=True) == expected
+    hidden = expected.layers[0].expert_hidden  # the model's FFN width, 4 x 384 = 1536 for ViT-S
+    assert hidden == 1536
+    assert all(ffn["hidden"] == hidden for ffn in json.loads(file.read_text())["sketch"]["ffns"].values())
+
+
+def test_an_entry_the_cache_wrote_is_used_without_building_the_model(cache, monkeypatch):
+    spec = make_spec(TINY_VIT, [{"where": {"every": 1}, "experts": 4}])
+    expected = plan(spec, cached=True)
+    built = []
+    monkeypatch.setattr("moespec.backbones.create_backbone", lambda *a, **k: built.append(1) or 1 / 0)
+    assert plan(spec, cached=True) == expected and built == []
+    (key,) = cache.glob(".key-*")
+    key.chmod(0o644)  # a signing key that others may read signs nothing: the entry is not trusted
+    with pytest.raises(ZeroDivisionError):
+        plan(spec, cached=True)
+    assert built == [1]
 
 
 def test_relative_cache_folders_make_nothing_in_the_working_folder(monkeypatch, tmp_path):
