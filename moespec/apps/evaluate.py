@@ -16,7 +16,6 @@ file is skipped and counted, and image files ending in any of `backbones.images.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -33,7 +32,7 @@ from ..backbones.placement import resolve_device
 from ..compiler import moe_layers, plan_of
 from ..errors import MoespecError
 from ..planning.forward_cost import refuse_costly_forward
-from ..spec import HUB_ARCHITECTURE, HUB_CONFIG
+from ..spec import HUB_ARCHITECTURE, HUB_CONFIG, hub_config
 from ..spec.loading import SPEC_SUFFIXES
 from ..weights import load
 
@@ -96,10 +95,9 @@ def load_classifier(source: str | Path, *, device: str = "cpu", spec: str | Path
 
 
 def _architecture(config: Path) -> str | None:
-    try:
-        return json.loads(config.read_text()).get("architecture")
-    except (OSError, ValueError, AttributeError):
-        raise MoespecError(f"{config}: not a readable JSON file") from None
+    """The `architecture` a Hub folder's config.json names, read as `spec.hub_config` reads it (a plain file,
+    bounded)."""
+    return hub_config(config.parent).get("architecture")
 
 
 def labelled_images(root: str | Path) -> tuple[list[tuple[Path, int]], list[str]]:
