@@ -32,7 +32,7 @@ from ..backbones.placement import resolve_device
 from ..compiler import moe_layers, plan_of
 from ..errors import MoespecError
 from ..planning.forward_cost import refuse_costly_forward
-from ..spec import HUB_ARCHITECTURE, HUB_CONFIG, hub_config
+from ..spec import HUB_ARCHITECTURE, HUB_CONFIG, hub_config, is_hub_folder
 from ..spec.loading import SPEC_SUFFIXES
 from ..weights import load
 
@@ -85,7 +85,7 @@ def load_classifier(source: str | Path, *, device: str = "cpu", spec: str | Path
         raise MoespecError(f"{source}: a spec holds no trained weights; give a checkpoint of its model (moespec "
                            f"upcycle writes one; a timm training checkpoint with --spec {source})")
     config = source / HUB_CONFIG
-    if spec is None and source.is_dir() and config.is_file() and _architecture(config) != HUB_ARCHITECTURE:
+    if spec is None and is_hub_folder(source) and _architecture(config) != HUB_ARCHITECTURE:
         try:
             model = timm.create_model(f"local-dir:{source}", pretrained=True)
         except (RuntimeError, ValueError, KeyError, OSError) as error:

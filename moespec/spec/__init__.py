@@ -24,7 +24,7 @@ from .embedded import (
            spec_with_model_args,
 )
 from .fields import SpecModel
-from .loading import HUB_CONFIG, load_spec, located, read_document, spec_files, spec_problem
+from .loading import HUB_CONFIG, is_hub_folder, load_spec, located, read_document, spec_files, spec_problem
 from .models import DENSE_SUFFIXES, AuxLoss, Backbone, MoEGroup, RescaleSpec, Spec, Upcycle
 from .problems import allowed_keys
 from .registry import (
@@ -41,7 +41,8 @@ from .registry import (
 from .schema import SCHEMA_FILE, json_schema, json_schema_text
 
 __all__ = ["DENSE_SUFFIXES", "HUB_ARCHITECTURE", "HUB_CONFIG", "HUB_SPEC_ARG", "ROUTER_KINDS", "SPEC_HASH_KEY",
-           "SPEC_KEY", "VERSION_KEY", "embedded_spec", "hub_config", "hub_spec", "load_model_spec", "spec_metadata",
+           "SPEC_KEY", "VERSION_KEY", "embedded_spec", "hub_config", "hub_spec", "is_hub_folder", "load_model_spec",
+           "spec_metadata",
            "spec_with_model_args", "SCHEMA_FILE", "SELECTORS", "AuxLoss", "Backbone", "BackboneSketch",
            "Block", "BlockLayout", "FieldError", "FFNShape", "Inspection", "MoEGroup", "RescaleSpec", "Rescalable",
            "RouterSpec", "Spec", "SpecModel", "Upcycle", "allowed_keys", "json_schema", "json_schema_text",

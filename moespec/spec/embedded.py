@@ -21,8 +21,8 @@ from typing import Any
 
 from .._version import __version__
 from ..errors import CheckpointError, MoespecError, SpecError
-from ..files import RefusedFile, load_json, read_regular
-from .loading import HUB_CONFIG, load_spec
+from ..files import RefusedFile, hub_target, load_json, read_regular
+from .loading import HUB_CONFIG, is_hub_folder, load_spec
 from .models import Spec
 
 SPEC_KEY, SPEC_HASH_KEY, VERSION_KEY = "moespec.spec", "moespec.spec_sha256", "moespec.version"
@@ -68,10 +68,11 @@ def _release(version: str) -> tuple[int, ...]:
 
 
 def hub_config(folder: str | Path) -> dict[str, Any]:
-    """The config.json of a Hub folder, read as a plain file of bounded size and nesting."""
+    """The config.json of a Hub folder, read as a plain file of bounded size and nesting; in a snapshot of
+    Hugging Face's cache, through its link into the repository's own blobs (`files.hub_target`)."""
     file = Path(folder) / HUB_CONFIG
     try:
-        config = load_json(read_regular(file, MAX_CONFIG_BYTES))
+        config = load_json(read_regular(hub_target(file), MAX_CONFIG_BYTES))
     except RefusedFile as refused:
         raise CheckpointError(f"{file}: {refused}") from None
     except (ValueError, UnicodeDecodeError) as error:
@@ -114,4 +115,4 @@ def spec_with_model_args(spec: Spec, args: dict[str, Any]) -> Spec:
 def load_model_spec(path: str | Path) -> Spec:
     """The spec of a spec file, or of a Hub folder of a moespec model (`hub_spec`): what `moespec stats` and
     `moespec plan` read."""
-    return hub_spec(path) if Path(path).is_dir() and (Path(path) / HUB_CONFIG).is_file() else load_spec(path)
+    return hub_spec(path) if is_hub_folder(path) else load_spec(path)

@@ -32,7 +32,16 @@ from ..io import (
     write_sharded,
 )
 from ..layers.steps.transport import sharded_banks
-from ..spec import DENSE_SUFFIXES, HUB_CONFIG, SPEC_HASH_KEY, Spec, embedded_spec, hub_spec, load_spec, spec_metadata
+from ..spec import (
+    DENSE_SUFFIXES,
+    SPEC_HASH_KEY,
+    Spec,
+    embedded_spec,
+    hub_spec,
+    is_hub_folder,
+    load_spec,
+    spec_metadata,
+)
 from .dense import check_state_dict, read_state_dict, weight_cap
 
 PICKLED_SUFFIXES = tuple(suffix for suffix in DENSE_SUFFIXES if suffix != ".safetensors")
@@ -219,7 +228,7 @@ def load(path: str | Path, *, spec: Spec | str | Path | None = None, device: str
     A Hugging Face Hub folder of a moespec model (timm's `save_for_hf` layout: config.json beside
     model.safetensors or pytorch_model.bin) is read with the spec of its config.json (`spec.hub_spec`).
     """
-    if spec is None and Path(path).is_dir() and (Path(path) / HUB_CONFIG).is_file():
+    if spec is None and is_hub_folder(path):
         spec, path = hub_spec(path), hub_weights(path)
     pickled = not Path(path).is_dir() and Path(path).name.endswith(PICKLED_SUFFIXES)
     if spec is None and pickled:

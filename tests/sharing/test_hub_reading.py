@@ -166,3 +166,81 @@ def test_a_copied_folder_still_loads(saved, tmp_path):
     folder, model = saved
     copy = shutil.copytree(folder, tmp_path / "copy")
     _same_outputs(model, timm.create_model(f"local-dir:{copy}", pretrained=True))
+
+
+def _cached(folder, cache, *, links=None):
+    """`folder` laid out as huggingface_hub's cache keeps a download: CACHE/models--x--y/blobs/HASH for each file,
+    snapshots/abc/NAME a relative link to it, refs/main naming the revision. `links`: NAME -> a link target to
+    plant instead."""
+    repo = cache / "models--x--y"
+    (repo / "blobs").mkdir(parents=True, exist_ok=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("abc")
+    snapshot = repo / "snapshots" / "abc"
+    snapshot.mkdir(parents=True)
+    for index, file in enumerate(sorted(folder.iterdir())):
+        blob = repo / "blobs" / f"{index:040x}"
+        shutil.copyfile(file, blob)
+        os.symlink((links or {}).get(file.name, os.path.join("..", "..", "blobs", blob.name)), snapshot / file.name)
+    return snapshot
+
+
+def test_a_snapshot_of_the_hugging_face_cache_is_read_through_its_links(saved, tmp_path):
+    folder, model = saved
+    snapshot = _cached(folder, tmp_path / "cache")
+    assert all(path.is_symlink() for path in snapshot.iterdir())
+    _same_outputs(model, moespec.load(snapshot))
+    _same_outputs(model, timm.create_model(f"local-dir:{snapshot}", pretrained=True))
+    assert moespec.spec.hub_spec(snapshot).to_yaml() == moespec.spec.hub_spec(folder).to_yaml()
+    result = CliRunner().invoke(app, ["stats", str(snapshot), "--format", "json"])
+    assert result.exit_code == 0, result.output
+
+
+@pytest.mark.parametrize("name", ["config.json", WEIGHTS])
+@pytest.mark.parametrize("where, words", [
+    ("outside", "out of its Hugging Face cache repository"),
+    ("other repo", "out of its Hugging Face cache repository"),
+    ("loop", "loops or leads nowhere"),
+    ("nowhere", "loops or leads nowhere"),
+    ("device", "out of its Hugging Face cache repository"),
+    ("fifo blob", "a symbolic link to a fifo"),
+])
+def test_a_cache_link_that_leaves_its_repository_is_refused(saved, tmp_path, no_hang, name, where, words):
+    folder, _ = saved
+    cache = tmp_path / "cache"
+    other = cache / "models--x--other" / "blobs"
+    other.mkdir(parents=True)
+    shutil.copyfile(folder / name, other / "copy")
+    shutil.copyfile(folder / name, tmp_path / "outside")
+    (cache / "models--x--y" / "blobs").mkdir(parents=True)
+    os.mkfifo(cache / "models--x--y" / "blobs" / "fifo")
+    target = {
+        "outside": str(tmp_path / "outside"),
+        "other repo": os.path.join("..", "..", "..", "models--x--other", "blobs", "copy"),
+        "loop": name,
+        "nowhere": os.path.join("..", "..", "blobs", "missing"),
+        "device": "/dev/zero",
+        "fifo blob": os.path.join("..", "..", "blobs", "fifo"),
+    }[where]
+    snapshot = _cached(folder, cache, links={name: target})
+    with pytest.raises(moespec.MoespecError) as raised:
+        moespec.load(snapshot)
+    assert f"{snapshot / name}:" in str(raised.value) and words in str(raised.value), str(raised.value)
+    if name == WEIGHTS:  # timm reads config.json itself; the weights are moespec's to read
+        with pytest.raises(moespec.MoespecError, match=words):
+            timm.create_model(f"local-dir:{snapshot}", pretrained=True)
+
+
+def test_links_in_an_ordinary_folder_are_still_refused(saved, tmp_path):
+    """Only a snapshot of the cache (REPO/snapshots/REVISION beside REPO/blobs) has its links followed."""
+    folder, _ = saved
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    for file in folder.iterdir():
+        os.symlink(file, plain / file.name)
+    with pytest.raises(moespec.MoespecError, match="config.json: a symbolic link; it is read only as a plain file"):
+        moespec.load(plain)
+    fake = tmp_path / "fake" / "snapshots" / "abc"  # the names, without the cache's blobs folder beside them
+    shutil.copytree(plain, fake, symlinks=True)
+    with pytest.raises(moespec.MoespecError, match="config.json: a symbolic link; it is read only as a plain file"):
+        moespec.load(fake)
