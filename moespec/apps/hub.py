@@ -23,7 +23,15 @@ from torch import nn
 
 from ..compiler import create_model
 from ..errors import CheckpointError, MoespecError
-from ..spec import HUB_ARCHITECTURE, HUB_CONFIG, HUB_SPEC_ARG, embedded_spec, spec_with_model_args
+from ..spec import (
+    HUB_ARCHITECTURE,
+    HUB_CONFIG,
+    HUB_SPEC_ARG,
+    carried_spec,
+    check_head,
+    hub_config,
+    model_args_spec,
+)
 from ..weights import check_buffers, check_state_dict, checked_weights, hub_weights, read_state_dict, weight_cap
 from .timm_features import FEATURE_KWARGS, family_feature_args
 
@@ -40,6 +48,9 @@ def create_hub_model(pretrained: bool = False, pretrained_cfg: dict | None = Non
     """timm's entry point for `spec.HUB_ARCHITECTURE`: the model of the spec in `kwargs[HUB_SPEC_ARG]`."""
     carried = kwargs.pop(HUB_SPEC_ARG, None)
     origin = _origin(pretrained_cfg)
+    saved = kwargs.pop("pretrained_model_args", None) or {}
+    if HUB_SPEC_ARG in saved or (carried is None and origin != NO_FOLDER):  # a folder's config.json
+        check_head(origin, _config_of(pretrained_cfg), model_args_spec(origin, saved or None))
     if not isinstance(carried, dict):
         raise MoespecError(f"{HUB_ARCHITECTURE} is the architecture of moespec models saved for the Hub; it is "
                            f"built from such a folder (timm.create_model('local-dir:FOLDER') or 'hf-hub:ORG/NAME'), "
@@ -47,13 +58,12 @@ def create_hub_model(pretrained: bool = False, pretrained_cfg: dict | None = Non
     features = {key: kwargs.pop(key) for key in FEATURE_KWARGS if key in kwargs}
     placement = {key: kwargs.pop(key) for key in PLACEMENT_KWARGS if key in kwargs}
     cache_dir = kwargs.pop("cache_dir", None)
-    saved = kwargs.pop("pretrained_model_args", None) or {}
     classes = kwargs.get("num_classes")
     if pretrained and "num_classes" in saved:  # timm's own export: the saved head in model_args
         kwargs["num_classes"] = saved["num_classes"]  # `classes` replaces it after the load
     elif pretrained:  # moespec's writer: the carried spec sizes the saved head (`hub_folder.write_config`)
         kwargs.pop("num_classes", None)
-    spec = spec_with_model_args(embedded_spec(origin, carried), kwargs)
+    spec = carried_spec(origin, carried, kwargs)
     spec = spec.model_copy(update={"aux_loss_in_backward": True})  # as `register_timm`
     model = create_model(spec, device=placement.get("device") or "cpu")
     if pretrained:
@@ -71,7 +81,19 @@ def _origin(pretrained_cfg: dict | None) -> str:
         return f"{cfg['file']}/{HUB_CONFIG}"
     if cfg.get("source") == "hf-hub" and cfg.get("hf_hub_id"):
         return f"hf-hub:{cfg['hf_hub_id']}"
-    return "the given pretrained_cfg"
+    return NO_FOLDER
+
+
+NO_FOLDER = "the given pretrained_cfg"
+
+
+def _config_of(pretrained_cfg: dict | None) -> dict:
+    """The config.json fields that `spec.check_head` checks: a local folder's own file (timm merged its root
+    `num_classes` into `pretrained_cfg`, hiding which one was edited), else timm's pretrained_cfg."""
+    cfg = pretrained_cfg if isinstance(pretrained_cfg, dict) else {}
+    if cfg.get("source") == "local-dir" and cfg.get("file"):
+        return hub_config(cfg["file"])
+    return {"pretrained_cfg": cfg}
 
 
 def load_hub_weights(model: nn.Module, pretrained_cfg: dict | None, origin: str, cache_dir=None) -> None:
