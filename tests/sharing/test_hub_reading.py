@@ -244,3 +244,23 @@ def test_links_in_an_ordinary_folder_are_still_refused(saved, tmp_path):
     shutil.copytree(plain, fake, symlinks=True)
     with pytest.raises(moespec.MoespecError, match="config.json: a symbolic link; it is read only as a plain file"):
         moespec.load(fake)
+
+
+def test_hf_hub_reads_the_weights_from_the_cache_as_a_local_snapshot(saved, tmp_path, monkeypatch):
+    """`hf-hub:` weights come from timm's download into Hugging Face's cache (answered here from a hand-built
+    cache, no network): read through the snapshot's links, and refused where a link leaves the repository."""
+    folder, model = saved
+    snapshot = _cached(folder, tmp_path / "cache")
+
+    def download(repo_id, filename, revision=None, cache_dir=None, **_):
+        if not os.path.lexists(snapshot / filename):
+            raise timm.models._hub.EntryNotFoundError(filename)
+        return str(snapshot / filename)
+
+    monkeypatch.setattr(timm.models._hub, "hf_hub_download", download)
+    _same_outputs(model, timm.create_model("hf-hub:x/y", pretrained=True))
+    (snapshot / WEIGHTS).unlink()
+    shutil.copyfile(folder / WEIGHTS, tmp_path / "elsewhere")
+    os.symlink(tmp_path / "elsewhere", snapshot / WEIGHTS)
+    with pytest.raises(moespec.MoespecError, match=f"{WEIGHTS}: a symbolic link out of its Hugging Face cache"):
+        timm.create_model("hf-hub:x/y", pretrained=True)
