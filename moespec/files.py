@@ -5,6 +5,8 @@ symbolic link never followed, and a file over its cap is refused before it is re
     read_regular(path, limit)      the bytes of a plain file of at most `limit` bytes, else `RefusedFile`
     load_json(data, max_depth)     JSON nested at most `max_depth` deep, else ValueError
     planted_kind(mode)             what a name that is not a plain file is, in words
+    hub_target(path)               the plain file a name in a Hub folder leads to: itself, or a link of Hugging
+                                   Face's cache into its own repository folder, else `RefusedFile`
 """
 
 from __future__ import annotations
@@ -56,6 +58,55 @@ def read_regular(path: str | Path, limit: int, *, own: bool = False) -> bytes:
     if len(data) > limit:
         raise RefusedFile(f"grew past {limit} bytes while it was read; not read")
     return data
+
+
+HUB_CACHE_FOLDERS = ("snapshots", "blobs")
+"""Hugging Face's cache keeps a repository as REPO/snapshots/REVISION/NAME, each NAME a link to REPO/blobs/HASH
+(`huggingface_hub.hf_hub_download`)."""
+
+
+def hub_cache_repo(folder: str | Path) -> Path | None:
+    """The repository folder of Hugging Face's cache that `folder` is a snapshot of (REPO, for a `folder` that is
+    REPO/snapshots/REVISION beside REPO/blobs), else None: an ordinary folder."""
+    real = Path(os.path.realpath(folder))
+    repo = real.parent.parent
+    if real.parent.name != "snapshots" or not (repo / "blobs").is_dir() or os.path.islink(repo / "blobs"):
+        return None
+    return repo
+
+
+def hub_target(path: str | Path) -> Path:
+    """The plain file to read for the name `path` in a Hub folder: `path` itself where it is one, or the target of
+    a link in a snapshot of Hugging Face's cache (`hub_cache_repo`) that resolves, link by link, to a plain file
+    inside that repository's own folder. Any other link (in an ordinary folder, or out of the repository, or one
+    that loops or leads nowhere), a fifo, socket, device or folder and a missing name raise `RefusedFile`, saying
+    which; nothing is opened. Read the returned path with `read_regular`."""
+    path = Path(path)
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        raise RefusedFile("missing") from None
+    except OSError as err:
+        raise RefusedFile(err.strerror or str(err)) from None
+    if not stat.S_ISLNK(mode):
+        if not stat.S_ISREG(mode):
+            raise RefusedFile(f"{planted_kind(mode)}, not a plain file; not read")
+        return path
+    repo = hub_cache_repo(path.parent)
+    if repo is None:
+        raise RefusedFile("a symbolic link; it is read only as a plain file (links are followed only in a snapshot "
+                          "folder of Hugging Face's cache, REPO/snapshots/REVISION)")
+    try:
+        target = Path(os.path.realpath(path, strict=True))
+    except OSError:
+        raise RefusedFile("a symbolic link that loops or leads nowhere; not read") from None
+    if not target.is_relative_to(repo):
+        raise RefusedFile(f"a symbolic link out of its Hugging Face cache repository ({repo.name}); it is followed "
+                          f"only to a file inside that repository's folder")
+    target_mode = os.stat(target).st_mode
+    if not stat.S_ISREG(target_mode):
+        raise RefusedFile(f"a symbolic link to {planted_kind(target_mode)}, not to a plain file; not read")
+    return target
 
 
 def _this_user() -> int:

@@ -16,7 +16,6 @@ file is skipped and counted, and image files ending in any of `backbones.images.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -33,7 +32,7 @@ from ..backbones.placement import resolve_device
 from ..compiler import moe_layers, plan_of
 from ..errors import MoespecError
 from ..planning.forward_cost import refuse_costly_forward
-from ..spec import HUB_ARCHITECTURE, HUB_CONFIG
+from ..spec import HUB_CONFIG, hub_config, is_hub_folder
 from ..spec.loading import SPEC_SUFFIXES
 from ..weights import load
 
@@ -86,7 +85,7 @@ def load_classifier(source: str | Path, *, device: str = "cpu", spec: str | Path
         raise MoespecError(f"{source}: a spec holds no trained weights; give a checkpoint of its model (moespec "
                            f"upcycle writes one; a timm training checkpoint with --spec {source})")
     config = source / HUB_CONFIG
-    if spec is None and source.is_dir() and config.is_file() and _architecture(config) != HUB_ARCHITECTURE:
+    if spec is None and is_hub_folder(source) and _timm_architecture(config):
         try:
             model = timm.create_model(f"local-dir:{source}", pretrained=True)
         except (RuntimeError, ValueError, KeyError, OSError) as error:
@@ -95,11 +94,12 @@ def load_classifier(source: str | Path, *, device: str = "cpu", spec: str | Path
     return load(source, spec=spec, device=where, ema=ema, trust_pickle=trust_pickle).eval()
 
 
-def _architecture(config: Path) -> str | None:
-    try:
-        return json.loads(config.read_text()).get("architecture")
-    except (OSError, ValueError, AttributeError):
-        raise MoespecError(f"{config}: not a readable JSON file") from None
+def _timm_architecture(config: Path) -> bool:
+    """Whether a Hub folder's config.json (read as `spec.hub_config` reads it: a plain file, bounded) names a
+    timm model's architecture, one that is no moespec layout: timm builds that model. Any other (moespec's, another
+    moespec release's, a missing or broken one) is `weights.load`'s to read, which says what is wrong with it."""
+    architecture = hub_config(config.parent).get("architecture")
+    return isinstance(architecture, str) and not architecture.startswith("moespec")
 
 
 def labelled_images(root: str | Path) -> tuple[list[tuple[Path, int]], list[str]]:

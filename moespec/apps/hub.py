@@ -12,17 +12,27 @@ without a call in the loop (`aux_loss_in_backward`): timm's loops never call `mo
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
+from timm.models import _hub as timm_hub  # its hf_hub_download: the download is timm's, as for config.json
 from timm.models import build_model_with_cfg
 from timm.models._builder import _resolve_pretrained_source
-from timm.models._hub import load_state_dict_from_hf, load_state_dict_from_path
+from timm.models._hub import HF_WEIGHTS_NAME, _get_safe_alternatives, hf_split
 from torch import nn
 
 from ..compiler import create_model
-from ..errors import MoespecError
-from ..spec import HUB_ARCHITECTURE, HUB_CONFIG, HUB_SPEC_ARG, embedded_spec, spec_with_model_args
-from ..weights import check_buffers, check_state_dict
+from ..errors import CheckpointError, MoespecError
+from ..spec import (
+    HUB_ARCHITECTURE,
+    HUB_CONFIG,
+    HUB_SPEC_ARG,
+    carried_spec,
+    check_head,
+    hub_config,
+    model_args_spec,
+)
+from ..weights import check_buffers, check_state_dict, checked_weights, hub_weights, read_state_dict, weight_cap
 from .timm_features import FEATURE_KWARGS, family_feature_args
 
 RUNTIME_KWARGS = ("pretrained_model_args", "cache_dir")
@@ -38,6 +48,9 @@ def create_hub_model(pretrained: bool = False, pretrained_cfg: dict | None = Non
     """timm's entry point for `spec.HUB_ARCHITECTURE`: the model of the spec in `kwargs[HUB_SPEC_ARG]`."""
     carried = kwargs.pop(HUB_SPEC_ARG, None)
     origin = _origin(pretrained_cfg)
+    saved = kwargs.pop("pretrained_model_args", None) or {}
+    if HUB_SPEC_ARG in saved or (carried is None and origin != NO_FOLDER):  # a folder's config.json
+        check_head(origin, _config_of(pretrained_cfg), model_args_spec(origin, saved or None))
     if not isinstance(carried, dict):
         raise MoespecError(f"{HUB_ARCHITECTURE} is the architecture of moespec models saved for the Hub; it is "
                            f"built from such a folder (timm.create_model('local-dir:FOLDER') or 'hf-hub:ORG/NAME'), "
@@ -45,13 +58,12 @@ def create_hub_model(pretrained: bool = False, pretrained_cfg: dict | None = Non
     features = {key: kwargs.pop(key) for key in FEATURE_KWARGS if key in kwargs}
     placement = {key: kwargs.pop(key) for key in PLACEMENT_KWARGS if key in kwargs}
     cache_dir = kwargs.pop("cache_dir", None)
-    saved = kwargs.pop("pretrained_model_args", None) or {}
     classes = kwargs.get("num_classes")
     if pretrained and "num_classes" in saved:  # timm's own export: the saved head in model_args
         kwargs["num_classes"] = saved["num_classes"]  # `classes` replaces it after the load
     elif pretrained:  # moespec's writer: the carried spec sizes the saved head (`hub_folder.write_config`)
         kwargs.pop("num_classes", None)
-    spec = spec_with_model_args(embedded_spec(origin, carried), kwargs)
+    spec = carried_spec(origin, carried, kwargs)
     spec = spec.model_copy(update={"aux_loss_in_backward": True})  # as `register_timm`
     model = create_model(spec, device=placement.get("device") or "cpu")
     if pretrained:
@@ -69,26 +81,63 @@ def _origin(pretrained_cfg: dict | None) -> str:
         return f"{cfg['file']}/{HUB_CONFIG}"
     if cfg.get("source") == "hf-hub" and cfg.get("hf_hub_id"):
         return f"hf-hub:{cfg['hf_hub_id']}"
-    return "the given pretrained_cfg"
+    return NO_FOLDER
+
+
+NO_FOLDER = "the given pretrained_cfg"
+
+
+def _config_of(pretrained_cfg: dict | None) -> dict:
+    """The config.json fields that `spec.check_head` checks: a local folder's own file (timm merged its root
+    `num_classes` into `pretrained_cfg`, hiding which one was edited), else timm's pretrained_cfg."""
+    cfg = pretrained_cfg if isinstance(pretrained_cfg, dict) else {}
+    if cfg.get("source") == "local-dir" and cfg.get("file"):
+        return hub_config(cfg["file"])
+    return {"pretrained_cfg": cfg}
 
 
 def load_hub_weights(model: nn.Module, pretrained_cfg: dict | None, origin: str, cache_dir=None) -> None:
     """Read the weights of the folder (or Hub repository) timm named in `pretrained_cfg` into `model`, checked
     name by name and shape by shape first: a checkpoint whose tensors do not match the spec's model is a
-    CheckpointError, and nothing is loaded."""
+    CheckpointError, and nothing is loaded. moespec reads the file itself, as `moespec.load` does, not through
+    timm's reader: an odd file (a fifo, a folder, a link out of the Hub cache, an empty file) is refused unopened
+    (`weights.checked_weights`), and one whose tensors would take more than the model's can
+    (`weights.weight_cap`: a zip bomb) before anything is inflated."""
     source, location = _resolve_pretrained_source(pretrained_cfg or {})
     if source == "local-dir":
-        state = load_state_dict_from_path(location)
+        file = hub_weights(location)
     elif source == "hf-hub":
-        state = load_state_dict_from_hf(*location, cache_dir=cache_dir) if isinstance(location, tuple) \
-            else load_state_dict_from_hf(location, cache_dir=cache_dir)
+        file = _downloaded_weights(location, cache_dir, origin)
     else:
         raise MoespecError(f"{origin}: pretrained=True reads a moespec model's weights from its Hub folder "
                            f"(timm.create_model('local-dir:FOLDER' or 'hf-hub:ORG/NAME', pretrained=True)); "
                            f"this pretrained_cfg names none")
+    state = read_state_dict(file, max_bytes=weight_cap(model))
     check_state_dict(state, model, origin)
     model.load_state_dict(state)
     check_buffers(model.named_buffers(), origin)
+
+
+def _downloaded_weights(location: str | tuple[str, str], cache_dir, origin: str) -> Path:
+    """The weights file of a Hub repository in Hugging Face's cache (downloaded there if need be), found as
+    timm's `load_state_dict_from_hf` finds it: the safetensors alternative of the named file first (of the default,
+    pytorch_model.bin: model.safetensors), then the file; checked as a local folder's is (`checked_weights`). A
+    file name from the config that is not a plain name (a path) is refused, never asked for."""
+    model_id, filename = location if isinstance(location, tuple) else (location, HF_WEIGHTS_NAME)
+    if not isinstance(filename, str) or Path(filename).name != filename or filename in ("", ".", ".."):
+        raise CheckpointError(f"{origin}: pretrained_cfg.hf_hub_filename: {str(filename)[:80]!r} is not a file name; "
+                              f"a Hub repository's weights file is named plainly (model.safetensors)")
+    repo, revision = hf_split(model_id)
+    names = [*_get_safe_alternatives(filename), filename]
+    for name in names:
+        try:
+            found = timm_hub.hf_hub_download(repo_id=repo, filename=name, revision=revision, cache_dir=cache_dir)
+        except timm_hub.EntryNotFoundError:
+            if name == names[-1]:
+                raise CheckpointError(f"hf-hub:{model_id}: has no weights ({' or '.join(names)})") from None
+            continue
+        return checked_weights(Path(found))
+    raise AssertionError("unreachable: names is never empty")
 
 
 def placed(model: nn.Module, *, device: Any = None, dtype: Any = None) -> nn.Module:

@@ -25,6 +25,13 @@ HUB_CONFIG = "config.json"
 reads."""
 
 
+def is_hub_folder(path: str | Path) -> bool:
+    """Whether `path` is a Hub folder: a folder with a config.json by that name, whatever it is (a link, a fifo:
+    `embedded.hub_config` says what is wrong with it, rather than reading the folder as something else)."""
+    return Path(path).is_dir() and os.path.lexists(Path(path) / HUB_CONFIG)
+
+
+
 def read_document(path: str | Path) -> tuple[dict, Positions]:
     """A spec file as a plain YAML mapping with the position of every value, named after the file when it
     has no name. Not validated: `sweep` edits the document first."""
@@ -101,7 +108,7 @@ def spec_files(paths: Sequence[str | Path]) -> list[Path]:
     config.json) stands for its own spec (`embedded.load_model_spec`)."""
     files: list[Path] = []
     for path in map(Path, paths):
-        if path.is_dir() and (path / HUB_CONFIG).is_file():
+        if is_hub_folder(path):
             files.append(path)
         elif path.is_dir():
             found = sorted(p for p in path.rglob("*") if p.suffix in SPEC_SUFFIXES)

@@ -7,6 +7,7 @@ weights straight into it. Nothing is unpickled.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Iterable
 
@@ -19,6 +20,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ..backbones import create_backbone
 from ..compiler import create_model
 from ..errors import CheckpointError, MoespecError
+from ..files import RefusedFile, hub_target
 from ..io import (
     DEFAULT_MAX_SHARD_SIZE,
     CheckpointChanged,
@@ -30,8 +32,17 @@ from ..io import (
     write_sharded,
 )
 from ..layers.steps.transport import sharded_banks
-from ..spec import DENSE_SUFFIXES, HUB_CONFIG, SPEC_HASH_KEY, Spec, embedded_spec, hub_spec, load_spec, spec_metadata
-from .dense import check_state_dict, read_state_dict
+from ..spec import (
+    DENSE_SUFFIXES,
+    SPEC_HASH_KEY,
+    Spec,
+    embedded_spec,
+    hub_spec,
+    is_hub_folder,
+    load_spec,
+    spec_metadata,
+)
+from .dense import check_state_dict, read_state_dict, weight_cap
 
 PICKLED_SUFFIXES = tuple(suffix for suffix in DENSE_SUFFIXES if suffix != ".safetensors")
 READ_ATTEMPTS = 3  # reads of a checkpoint that a writer keeps replacing, before `load` gives up
@@ -217,7 +228,7 @@ def load(path: str | Path, *, spec: Spec | str | Path | None = None, device: str
     A Hugging Face Hub folder of a moespec model (timm's `save_for_hf` layout: config.json beside
     model.safetensors or pytorch_model.bin) is read with the spec of its config.json (`spec.hub_spec`).
     """
-    if spec is None and Path(path).is_dir() and (Path(path) / HUB_CONFIG).is_file():
+    if spec is None and is_hub_folder(path):
         spec, path = hub_spec(path), hub_weights(path)
     pickled = not Path(path).is_dir() and Path(path).name.endswith(PICKLED_SUFFIXES)
     if spec is None and pickled:
@@ -227,7 +238,7 @@ def load(path: str | Path, *, spec: Spec | str | Path | None = None, device: str
         spec = load_spec(spec)
     if pickled:
         model = create_model(spec, device=device)
-        state = read_state_dict(path, trust_pickle=trust_pickle, ema=ema)
+        state = read_state_dict(path, trust_pickle=trust_pickle, ema=ema, max_bytes=weight_cap(model))
         check_state_dict(state, model, f"{path}")
         model.load_state_dict(state)
         check_buffers(model.named_buffers(), f"{path}")
@@ -240,11 +251,26 @@ HUB_WEIGHTS = ("model.safetensors", "pytorch_model.bin")
 
 
 def hub_weights(folder: str | Path) -> Path:
-    """The weights file of a Hub folder, as timm picks it (`load_state_dict_from_path`'s preferred names)."""
+    """The weights file of a Hub folder, as timm picks it (the first of `HUB_WEIGHTS` there), checked
+    (`checked_weights`). A folder with neither name is a CheckpointError."""
     for name in HUB_WEIGHTS:
-        if (Path(folder) / name).is_file():
-            return Path(folder) / name
+        file = Path(folder) / name
+        if os.path.lexists(file):
+            return checked_weights(file)
     raise CheckpointError(f"{folder}: a Hub folder without weights (no {' or '.join(HUB_WEIGHTS)})")
+
+
+def checked_weights(file: Path) -> Path:
+    """`file`, once it is known to be a plain file that is not empty (or a link of Hugging Face's cache to one:
+    `files.hub_target`). A fifo, a folder, a device, a socket, a link of an ordinary folder or an empty file is a
+    CheckpointError naming it, never opened."""
+    try:
+        target = hub_target(file)
+    except RefusedFile as refused:
+        raise CheckpointError(f"{file}: {refused}; a Hub folder's weights are a plain {file.name} file") from None
+    if os.stat(target).st_size == 0:
+        raise CheckpointError(f"{file}: an empty file (0 bytes), not a checkpoint; download or save it again")
+    return file
 
 
 def _load_safetensors(path: str | Path, spec: Spec | None, device: str | torch.device) -> nn.Module:

@@ -23,7 +23,7 @@ from torch import nn
 
 from ..backbones import create_backbone
 from ..errors import CheckpointError, SpecError
-from ..io import read_safetensors_into, safetensors_shapes
+from ..io import read_safetensors_header, read_safetensors_into, safetensors_shapes
 from ..planning import checkpoint_problem
 from ..spec import DENSE_SUFFIXES, Spec
 
@@ -33,14 +33,18 @@ EMA_KEYS = ("state_dict_ema", "model_ema")
 """... and its EMA weights (timm's train.py with --model-ema)."""
 
 
-def read_state_dict(path: str | Path, *, trust_pickle: bool = False, ema: bool = False) -> dict[str, torch.Tensor]:
+def read_state_dict(path: str | Path, *, trust_pickle: bool = False, ema: bool = False,
+                    max_bytes: int | None = None) -> dict[str, torch.Tensor]:
     """A state dict from .safetensors, or a pickled .pth / .pt / .bin / .pth.tar file: plain tensors, or a
     training checkpoint holding them under "state_dict" or "model" (with `ema`, "state_dict_ema" or
     "model_ema"), with DDP's "module." prefix removed.
 
     Pickled files are read with `weights_only=True`; a file that needs arbitrary unpickling (timm's training
     checkpoints hold an argparse Namespace) is refused unless `trust_pickle`, since unpickling can run any
-    code the file's author wrote."""
+    code the file's author wrote.
+
+    `max_bytes` (`weight_cap` of the model it is for): the most that the file's tensors may take once read, checked
+    before any is read (a safetensors header's offsets, a zip's declared record sizes); more is a CheckpointError."""
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"{path}: no such checkpoint file")
@@ -48,13 +52,15 @@ def read_state_dict(path: str | Path, *, trust_pickle: bool = False, ema: bool =
         raise CheckpointError(f"{path}: unknown checkpoint type {path.suffix!r}; expected one of "
                               f"{', '.join(DENSE_SUFFIXES)}")
     if path.suffix == ".safetensors":
-        safetensors_shapes(path)  # a damaged header gets its precise error
+        header, _ = read_safetensors_header(path)  # a damaged header gets its precise error
+        data = max((entry["data_offsets"][1] for name, entry in header.items() if name != "__metadata__"), default=0)
+        _refuse_over(path, data, max_bytes, "its header's tensors take")
         try:
             state = load_file(str(path))
         except (SafetensorError, OSError) as err:
             raise CheckpointError(f"{path}: cannot read safetensors ({err}); is it truncated?") from None
     else:
-        state = _unpickle(path, trust_pickle)
+        state = _unpickle(path, trust_pickle, max_bytes)
     if isinstance(state, dict):
         keys = [k for k in (EMA_KEYS if ema else ()) + TRAINING_KEYS if isinstance(state.get(k), dict)]
         if ema and not any(k in EMA_KEYS for k in keys):
@@ -71,8 +77,28 @@ MAX_INFLATION = 16
 uncompressed (1 x), so more is a zip bomb (a 1.9 MB file that inflated to 2 GB in memory before it was refused)."""
 
 
-def _refuse_inflation(path: Path) -> None:
-    """Refuse a zip checkpoint whose records declare more than `MAX_INFLATION` x the file's size, unread."""
+WEIGHT_MARGIN, WEIGHT_SLACK = 4, 2**20
+"""A model's weight file may hold up to 4 x its state's bytes, plus 1 MiB (float64 tensors, a training
+checkpoint's extra state, pickle records): `weight_cap`."""
+
+
+def weight_cap(model: nn.Module) -> int:
+    """The most bytes a weight file for `model` may inflate to (`WEIGHT_MARGIN`); from the model's own tensors,
+    a meta build's too."""
+    state = model.state_dict()
+    return WEIGHT_MARGIN * sum(t.numel() * t.element_size() for t in state.values()) + WEIGHT_SLACK
+
+
+def _refuse_over(path: Path, declared: int, max_bytes: int | None, what: str) -> None:
+    if max_bytes is not None and declared > max_bytes:
+        raise CheckpointError(f"{path}: {what} {declared:,} bytes, more than the {max_bytes:,} that the model's "
+                              f"weights can take ({WEIGHT_MARGIN} x its tensors' bytes); a file for another, larger "
+                              f"model, or a zip bomb. Refusing to read it")
+
+
+def _refuse_inflation(path: Path, max_bytes: int | None = None) -> None:
+    """Refuse a zip checkpoint whose records declare more than `MAX_INFLATION` x the file's size, or more than
+    `max_bytes`, unread."""
     if not zipfile.is_zipfile(path):  # the legacy (pre-1.6) format is no zip; torch.load reads it as it is
         return
     try:
@@ -80,6 +106,7 @@ def _refuse_inflation(path: Path) -> None:
             declared = sum(record.file_size for record in archive.infolist())
     except (zipfile.BadZipFile, OSError, ValueError):
         return  # torch.load says what is wrong with it
+    _refuse_over(path, declared, max_bytes, "its zip records inflate to")
     size = max(path.stat().st_size, 1)
     if declared > MAX_INFLATION * size:
         raise CheckpointError(f"{path}: its zip records inflate to {declared:,} bytes, {declared // size:,} x the "
@@ -87,8 +114,8 @@ def _refuse_inflation(path: Path) -> None:
                               f"it wrote. Refusing to inflate it")
 
 
-def _unpickle(path: Path, trust_pickle: bool) -> object:
-    _refuse_inflation(path)
+def _unpickle(path: Path, trust_pickle: bool, max_bytes: int | None = None) -> object:
+    _refuse_inflation(path, max_bytes)
     try:
         return torch.load(path, map_location="cpu", weights_only=not trust_pickle)
     except (RuntimeError, EOFError, OSError) as err:  # a torch zip archive cut short, or not one at all
