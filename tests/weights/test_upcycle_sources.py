@@ -166,3 +166,30 @@ def test_upcycle_settings_that_do_not_fit_the_layers_are_located(upcycle, field,
         moespec.load_spec(tmp_path / "s.yaml")
     problem, = err.value.problems
     assert (problem.path, problem.line, problem.message) == (field, 5, message)
+
+
+def test_cli_reports_unreadable_image_files_and_refuses_a_folder_of_none(dense_checkpoint, tmp_path):
+    from PIL import Image
+
+    (path, _) = dense_checkpoint(SMALL, name="a.safetensors")
+    folder = tmp_path / "images"
+    folder.mkdir()
+    Image.new("RGB", (40, 40), (200, 30, 0)).save(folder / "a.png")
+    for i in range(20):
+        (folder / f"x{i:02d}.png").write_bytes(b"not a png")
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(f"backbone: {SMALL}\ninput_size: {INPUT}\nmoe:\n  - {{where: {{every: 1}}, experts: 4}}\n"
+                    f"upcycle: {{router_init: kmeans}}\n")
+    runner = CliRunner()
+    args = ["upcycle", str(spec), str(path), "--images", str(folder), "-o", str(tmp_path / "out.safetensors")]
+    for check in ("--check", "--no-check"):
+        run = runner.invoke(app, [*args, check, "--force"])
+        assert run.exit_code == 0, run.output
+        assert (f"moespec: warning: upcycle: skipped 20 of 21 files in {folder} that are not readable images "
+                f"(first: {folder / 'x00.png'}: cannot identify image file") in run.output
+    (folder / "a.png").write_bytes(b"not a png either")
+    run = runner.invoke(app, [*args[:-1], str(tmp_path / "none.safetensors")])
+    assert run.exit_code == 2 and "Traceback" not in run.output
+    assert run.output.strip() == (f"moespec: error: {folder}: no readable images (21 file(s) could not be read; "
+                                  f"first: {folder / 'a.png'}: cannot identify image file '{folder / 'a.png'}')")
+    assert not (tmp_path / "none.safetensors").exists()
