@@ -6,8 +6,8 @@ case in a fresh process.
 Each case writes N one-pixel PNGs to a temp folder (the transform resizes each to the input size, so every
 image costs a full [3, size, size] tensor once read) and prunes a 2-block ViT of width 96 at that input size
 (4 experts, top-2, in block 1) to 2 experts, scored and measured on the folder. Peak RSS is the process's own
-(ru_maxrss) and includes torch and the model; the figure that matters is how it changes with N. Run it with
-PYTHONPATH set to another checkout to measure that one.
+(ru_maxrss) and includes torch and the model; the figure that matters is how it changes with N (times on a
+shared machine are noise). Run it with PYTHONPATH set to another checkout to measure that one.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ spec = moespec.load_spec({
 model = moespec.create_model(spec, seed=0).eval()
 start = time.perf_counter()
 _, report = prune_with_report(model, folder, keep=2)
-print(json.dumps({"images": report.images, "seconds": time.perf_counter() - start,
+print(json.dumps({"images": report.images, "seconds": time.perf_counter() - start, "moespec": moespec.__file__,
                   "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
 """
 
@@ -56,13 +56,17 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as folder:
             one_pixel_pngs(Path(folder), count)
             started = time.perf_counter()
+            # cwd: the image folder, so that `python -c` imports moespec from PYTHONPATH or the install, not from
+            # a checkout that happens to be the working directory
             done = subprocess.run([sys.executable, "-c", CASE, str(args.size), folder], capture_output=True,
-                                  text=True, check=False)
+                                  text=True, check=False, cwd=folder)
             if done.returncode:
                 sys.exit(f"case of {count} images failed:\n{done.stderr}")
             row = json.loads(done.stdout.strip().splitlines()[-1])
             row["process_seconds"] = time.perf_counter() - started
             rows.append(row)
+            if len(rows) == 1:
+                print(f"moespec: {row['moespec']}")
             print(f"{count:>6} images: peak RSS {row['peak_rss_mb']:.0f} MB, prune {row['seconds']:.1f} s",
                   flush=True)
     if len(rows) > 1:
