@@ -207,7 +207,8 @@ def upcycle_command(
         with terminal.progress("reading images", _quiet) as read, \
                 terminal.progress("upcycling MoE layers", _quiet) as advance:
             options = dict(checkpoint=given or None, images=images or None, seed=seed, dtype=DTYPE_NAMES[dtype.value],
-                           force=force, check=check, trust_pickle=trust_pickle, on_layer=advance, on_batch=read)
+                           force=force, check=check, trust_pickle=trust_pickle, on_layer=advance, on_batch=read,
+                           on_skip=lambda line: terminal.error(f"moespec: warning: {line}"))
             files, report = upcycle_to_hub(loaded, output, **options) if hub else \
                 upcycle_to_checkpoint(loaded, output, max_shard_size=limit, **options)
         if report is not None:

@@ -27,7 +27,7 @@ from ..compiler import moe_layers
 from ..errors import MoespecError
 from ..layers import MoE
 from ..spec import load_spec
-from .calibration import calibrate, calibration_images
+from .calibration import calibrate, calibration_images, skipped_lines
 from .merge import aligned_average
 from .report import CompressReport, compare
 from .surgery import build_like, expert_state, refuse_sharded, spec_of
@@ -125,7 +125,7 @@ def densify_with_report(model: nn.Module, images: Images | None = None, *, how: 
             raise MoespecError(f"densify: {path} ({layer.plan.router.title}) cannot be densified: its experts see "
                                f"slots that mix all the tokens, which no per-token FFN computes")
     batch = calibration_images(model, images) if images is not None else None
-    records, logits = calibrate(model, batch) if batch is not None else ({}, None)
+    records = calibrate(model, batch) if batch is not None else {}
     dense = build_like(model, spec)
     state = model.state_dict()
     notes = [f"experts: {'usage-weighted average, aligned' if how == 'average' else 'the most used one'}"
@@ -150,10 +150,10 @@ def densify_with_report(model: nn.Module, images: Images | None = None, *, how: 
             tensor.copy_(ffns[name] if name in ffns else state[name])
     dense = dense.to(next(model.parameters()).device).train(model.training)
     again = compare_on is not None
-    checked = calibration_images(model, compare_on) if again else batch
+    checked = calibration_images(model, compare_on, "comparison") if again else batch
     changes = {path: (layer.num_experts, [list(range(layer.num_experts))]) for path, layer in layers.items()}
     report = compare("densify", model, dense, checked, changes, dense=True, before=None if again else records,
-                     logits=None if again else logits, notes=notes)
+                     notes=notes, skipped=skipped_lines(batch))
     return dense, report
 
 

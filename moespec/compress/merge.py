@@ -26,7 +26,7 @@ from torch import nn
 
 from ..errors import MoespecError
 from ..layers import MoE
-from .calibration import LayerCalibration, calibrate, calibration_images
+from .calibration import LayerCalibration, calibrate, calibration_images, skipped_lines
 from .matching import cluster, match_units
 from .prune import group_counts, kept_count
 from .report import CompressReport, compare
@@ -146,7 +146,7 @@ def merge_with_report(model: nn.Module, images: Images, into: int | float, *, by
     if by not in ("output", "router"):
         raise MoespecError(f"by must be output or router, got {by!r}")
     batch = calibration_images(model, images)
-    records, logits = calibrate(model, batch)
+    records = calibrate(model, batch)
     merged = {path: merge_layer(layer, records[path], counts[path], by) for path, layer in layers.items()}
     spec = new_spec(spec_of(model), group_counts(layers, counts), f"merge{counts[next(iter(counts))]}")
 
@@ -170,10 +170,10 @@ def merge_with_report(model: nn.Module, images: Images, into: int | float, *, by
                          f"{len(records[path].sample('gate_inputs'))} sampled router inputs ({100 * before:.1f}% "
                          f"with the averaged rows, before the fit)")
     again = compare_on is not None
-    checked = calibration_images(model, compare_on) if again else batch
+    checked = calibration_images(model, compare_on, "comparison") if again else batch
     changes = {path: (layers[path].num_experts, groups) for path, (groups, _, _) in merged.items()}
     report = compare("merge", model, new, checked, changes, before=None if again else records,
-                     logits=None if again else logits, notes=notes)
+                     notes=notes, skipped=skipped_lines(batch))
     return new, report
 
 

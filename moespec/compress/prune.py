@@ -20,7 +20,7 @@ from torch import nn
 
 from ..errors import MoespecError
 from ..layers import MoE
-from .calibration import calibrate, calibration_images
+from .calibration import calibrate, calibration_images, skipped_lines
 from .report import CompressReport, compare
 from .surgery import expert_names, new_spec, rebuilt, router_rows, sparse_layers, spec_of
 
@@ -60,7 +60,7 @@ def prune_with_report(model: nn.Module, images: Images, keep: int | float, *, sc
     if score not in ("reap", "load"):
         raise MoespecError(f"score must be reap or load, got {score!r}")
     batch = calibration_images(model, images)
-    records, logits = calibrate(model, batch)
+    records = calibrate(model, batch)
     kept: dict[str, list[int]] = {}
     for path, layer in layers.items():
         record = records[path]
@@ -77,10 +77,10 @@ def prune_with_report(model: nn.Module, images: Images, keep: int | float, *, sc
 
     new = rebuilt(model, spec, layer_state)
     again = compare_on is not None
-    checked = calibration_images(model, compare_on) if again else batch
+    checked = calibration_images(model, compare_on, "comparison") if again else batch
     changes = {path: (layers[path].num_experts, [[e] for e in experts]) for path, experts in kept.items()}
     report = compare("prune", model, new, checked, changes, before=None if again else records,
-                     logits=None if again else logits, notes=[f"score: {score}"])
+                     notes=[f"score: {score}"], skipped=skipped_lines(batch))
     return new, report
 
 

@@ -4,13 +4,14 @@ model before, each layer's loads before and after, and params / activated params
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import asdict, dataclass, field
 
 import torch
 from torch import nn
 
 from ..counting import SpecStats, render, stats
-from .calibration import LayerCalibration, calibrate
+from .calibration import CalibrationImages, LayerCalibration, recording
 from .surgery import spec_of
 
 
@@ -37,12 +38,13 @@ class CompressReport:
     before: SpecStats
     after: SpecStats
     notes: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)  # per image folder, the unreadable files passed over, in words
 
     def to_dict(self) -> dict:
         return asdict(self)
 
     def __str__(self) -> str:
-        lines = []
+        lines = list(self.skipped)
         if self.images:
             lines.append(f"{self.operation}: on {self.images} images: top-1 agreement "
                          f"{100 * self.top1_agreement:.1f}%, relative logit error {self.relative_logit_error:.4g} "
@@ -74,23 +76,37 @@ def shares(record: LayerCalibration | None) -> list[float]:
 
 
 @torch.no_grad()
-def compare(operation: str, old: nn.Module, new: nn.Module, images: torch.Tensor | None,
+def compare(operation: str, old: nn.Module, new: nn.Module, images: CalibrationImages | None,
             changes: dict[str, tuple[int, list[list[int]]]], *, dense: bool = False,
-            before: dict[str, LayerCalibration] | None = None, logits: torch.Tensor | None = None,
-            notes: list[str] | None = None) -> CompressReport:
-    """The report of `old` -> `new` on `images` [B, C, H, W] (None: counts only). `changes`: per changed layer,
-    its experts before and each new expert's old ones (`dense`: the layer became one dense FFN). `before` /
-    `logits`: `old`'s calibration on `images`, where already computed."""
+            before: dict[str, LayerCalibration] | None = None, notes: list[str] | None = None,
+            skipped: list[str] | None = None) -> CompressReport:
+    """The report of `old` -> `new` on `images` (None: counts only). `changes`: per changed layer, its experts
+    before and each new expert's old ones (`dense`: the layer became one dense FFN). `before`: `old`'s records
+    on `images`, where already computed. Both models run batch by batch; the agreement and the logit error are
+    running sums, so no logits are kept. `skipped`: lines on unreadable files passed over before."""
     top1 = error = None
     after: dict[str, LayerCalibration] = {}
+    skipped = list(skipped or [])
     if images is not None:
-        if before is None or logits is None:
-            before, logits = calibrate(old, images)
-        after, new_logits = calibrate(new, images)
-        top1 = (new_logits.argmax(-1) == logits.argmax(-1)).double().mean().item()
-        error = ((new_logits - logits).double().norm() / logits.double().norm().clamp(min=1e-30)).item()
+        agree = squared_error = squared_norm = 0.0
+        devices = next(old.parameters()).device, next(new.parameters()).device
+        with contextlib.ExitStack() as stack:
+            old_records = stack.enter_context(recording(old, record=before is None))
+            after = stack.enter_context(recording(new))
+            for batch in images:
+                logits = old(batch.to(devices[0])).double().cpu()
+                new_logits = new(batch.to(devices[1])).double().cpu()
+                agree += float((new_logits.argmax(-1) == logits.argmax(-1)).sum())
+                squared_error += float(((new_logits - logits) ** 2).sum())
+                squared_norm += float((logits ** 2).sum())
+        before = old_records if before is None else before
+        top1 = agree / images.count
+        error = squared_error ** 0.5 / max(squared_norm ** 0.5, 1e-30)
+        line = images.skipped_line()
+        if line is not None and line not in skipped:
+            skipped.append(line)
     before = before or {}
     layers = [LayerChange(path, experts, 0 if dense else len(groups), groups, shares(before.get(path)),
                           shares(after.get(path))) for path, (experts, groups) in changes.items()]
-    return CompressReport(operation, 0 if images is None else images.shape[0], top1, error, layers,
-                          stats(spec_of(old)), stats(new.moespec_spec), notes or [])
+    return CompressReport(operation, 0 if images is None else images.count, top1, error, layers,
+                          stats(spec_of(old)), stats(new.moespec_spec), notes or [], skipped)

@@ -17,6 +17,7 @@ depends only on the images (in order: a folder is read sorted by path), the seed
 from __future__ import annotations
 
 import math
+import warnings
 from pathlib import Path
 from typing import Callable, Iterator, Sequence, Union
 
@@ -85,6 +86,13 @@ class Batches:
             self.count = len(self.files)
             self.transform = data_transform(model, self.input_size, spec.source or spec.name or "the spec")[1]
         self.read = 0
+
+    def skipped_line(self) -> str | None:
+        """What the pass skipped, in one line (None: nothing)."""
+        if not self.skipped:
+            return None
+        return (f"upcycle: skipped {len(self.skipped)} of {self.count} files in {self.images} that are not readable "
+                f"images (first: {self.skipped[0]})")
 
     @property
     def label(self) -> str:
@@ -182,10 +190,12 @@ class StreamingKMeans:
 @torch.no_grad()
 def router_rows(spec: Spec, plan: Plan, base: nn.Module, layers: dict[str, MoELayer], sets: list[ImageSet],
                 experts_from: dict[str, tuple[int, ...]], seed: int,
-                on_batch: Callable[[str, int, int], None] | None = None) -> tuple[dict[str, torch.Tensor], list[int]]:
+                on_batch: Callable[[str, int, int], None] | None = None,
+                on_skip: Callable[[str], None] | None = None) -> tuple[dict[str, torch.Tensor], list[int]]:
     """Each started layer's rows [E, C] (`hidden` or `kmeans`, from one pass of `base` over `sets`), and the
     images read from each set. `layers` are the MoE layers (on any device, the meta device too: only their
-    routers' pooling is used); `experts_from[path]` is each expert's source."""
+    routers' pooling is used); `experts_from[path]` is each expert's source. `on_skip(line)` is told, per image
+    folder, what unreadable files were passed over (default: a Python warning)."""
     mode = spec.upcycle.router_init
     paths = [layer.path for layer in plan.layers if plan.rebuilt(layer.path) is None]
     batches = [Batches(images, i, base, spec, plan.input_size) for i, images in enumerate(sets)]
@@ -223,6 +233,11 @@ def router_rows(spec: Spec, plan: Plan, base: nn.Module, layers: dict[str, MoELa
                     on_batch(batch_set.label, done, total)
                 base(batch)
                 done += 1
+            line = batch_set.skipped_line()
+            if line is not None and on_skip is not None:
+                on_skip(line)
+            elif line is not None:
+                warnings.warn(line, stacklevel=2)
     finally:
         base.train(training)
         for hook in hooks:

@@ -74,6 +74,7 @@ def read_sources(spec: Spec, checkpoint: Checkpoints, *, seed: int, trust_pickle
     base, name, fresh = _read(spec, checkpoints[0], 0, several, seed, trust_pickle)
     plan = plan_for(spec, base)  # the plan `create_model` builds: the dense model is the spec's backbone
     check_experts_from(spec, len(checkpoints))
+    check_every_source_used(spec, plan, len(checkpoints))
     average = spec.upcycle.base == "average" and several
     names, ffns = [name], [_own_ffns(plan, base.state_dict(), copy=average)]
     sums, shares = (_start_average(base, fresh) if average else (None, None))
@@ -142,6 +143,27 @@ def check_experts_from(spec: Spec, count: int) -> None:
         raise SpecError(spec_problem(spec, "upcycle.experts_from",
                                      f"names source {beyond[0]}, but {given} given (sources 0 to {count - 1}); "
                                      f"give more checkpoints or name sources below {count}"))
+
+
+def check_every_source_used(spec: Spec, plan: Plan, count: int) -> None:
+    """More sources than experts, by the default rule (expert i takes source i mod n) under `base: first`, is
+    most likely a mistake: the sources beyond the experts would be read and then left out of the model. Sources
+    that `upcycle.experts_from` leaves out were chosen so (the report says each expert's source, and the logit
+    error against every source given), and under `base: average` every source goes into the base's mean."""
+    layers = [layer for layer in plan.layers if plan.rebuilt(layer.path) is None]
+    if count < 2 or spec.upcycle.base == "average" or spec.upcycle.experts_from is not None or not layers:
+        return
+    widest = max(layers, key=lambda layer: layer.num_experts)
+    unused = list(range(widest.num_experts, count))
+    if not unused:
+        return
+    which = f"source {unused[0]}" if len(unused) == 1 else f"sources {unused[0]} to {unused[-1]}"
+    raise SpecError(spec_problem(spec, f"moe.{widest.group}.experts",
+                                 f"{count} sources for {widest.num_experts} experts: expert i takes source i mod "
+                                 f"{count}, so {which} would give no expert, and base: first takes everything else "
+                                 f"from source 0; give at most {widest.num_experts} checkpoints, name each expert's "
+                                 f"source in upcycle.experts_from, or use base: average to fold the others into the "
+                                 f"base's mean"))
 
 
 def expert_sources(spec: Spec, layer: LayerPlan, count: int) -> tuple[int, ...]:

@@ -42,6 +42,7 @@ def upcycle_to_checkpoint(spec: Spec, output: str | Path, *, checkpoint: Checkpo
                           force: bool = False, check: bool = True, trust_pickle: bool = False,
                           on_layer: Callable[[str, int, int], None] | None = None,
                           on_batch: Callable[[str, int, int], None] | None = None,
+                          on_skip: Callable[[str], None] | None = None,
                           ) -> tuple[list[Path], UpcycleReport | None]:
     """Upcycle `spec` straight into a (sharded) safetensors checkpoint at `output`, streaming.
 
@@ -53,7 +54,8 @@ def upcycle_to_checkpoint(spec: Spec, output: str | Path, *, checkpoint: Checkpo
     memory and a forward at the spec's input size fits (`planning.forward_cost`), else each MoE layer against its
     base dense FFN as it is built (on a few tokens, whatever the input size). `on_layer(path, done, total)` is
     called as each MoE layer starts (`done`: the layers written so far), and `on_layer("", total, total)` after
-    the last; `on_batch` likewise for the batches of images that start routers from data.
+    the last; `on_batch` likewise for the batches of images that start routers from data, and `on_skip(line)`
+    hears of the unreadable image files they skipped.
     Returns the files written (index first) and the check's report (None without `check`).
     """
     check_seed(seed)
@@ -63,7 +65,8 @@ def upcycle_to_checkpoint(spec: Spec, output: str | Path, *, checkpoint: Checkpo
         sources, plan, sets = read_start(spec, checkpoint, images, seed=seed, trust_pickle=trust_pickle)
         dense = sources.base
         model = compile_model(dense, plan, moe_device="meta")  # shares every other module with `dense`
-        start = start_routers(spec, plan, sources, moe_layers(model), sets, seed=seed, on_batch=on_batch)
+        start = start_routers(spec, plan, sources, moe_layers(model), sets, seed=seed, on_batch=on_batch,
+                              on_skip=on_skip)
         state = model.state_dict()
         params = sum(t.numel() for t in state.values())
         batch = COMPARED_IMAGES if sets else COMPARED_BATCH

@@ -132,14 +132,15 @@ def upcycle(spec: Spec, checkpoint: Checkpoints = None, *, images: ImageSet | Se
 def upcycle_with_report(spec: Spec, checkpoint: Checkpoints = None, *,
                         images: ImageSet | Sequence[ImageSet] | None = None, seed: int = 0, check: bool = True,
                         trust_pickle: bool = False, on_batch: Callable[[str, int, int], None] | None = None,
-                        ) -> tuple[nn.Module, UpcycleReport | None]:
+                        on_skip: Callable[[str], None] | None = None) -> tuple[nn.Module, UpcycleReport | None]:
     """`upcycle`, plus a comparison of the upcycled model's logits with the base dense model's and each
-    source's, on the images given (or random inputs). `on_batch(item, done, total)` follows the image pass."""
+    source's, on the images given (or random inputs). `on_batch(item, done, total)` follows the image pass;
+    `on_skip(line)` hears of the unreadable files it skipped (`router_start.router_rows`)."""
     sources, plan, sets = read_start(spec, checkpoint, images, seed=seed, trust_pickle=trust_pickle)
     generator = torch.Generator().manual_seed(seed)
     model = create_model(spec)
     layers = moe_layers(model)
-    start = start_routers(spec, plan, sources, layers, sets, seed=seed, on_batch=on_batch)
+    start = start_routers(spec, plan, sources, layers, sets, seed=seed, on_batch=on_batch, on_skip=on_skip)
     upcycle_into(model, spec, plan, sources, generator, start)
     if not check:
         return model, None
@@ -194,13 +195,14 @@ def read_start(spec: Spec, checkpoint: Checkpoints, images, *, seed: int, trust_
 
 
 def start_routers(spec: Spec, plan: Plan, sources: Sources, layers: dict[str, MoELayer], sets: list[ImageSet], *,
-                  seed: int, on_batch: Callable[[str, int, int], None] | None = None) -> RouterStart:
+                  seed: int, on_batch: Callable[[str, int, int], None] | None = None,
+                  on_skip: Callable[[str], None] | None = None) -> RouterStart:
     """Each layer's expert sources, and its router rows where `router_init` starts them from `sets`."""
     experts_from = {layer.path: expert_sources(spec, layer, sources.count) for layer in plan.layers
                     if plan.rebuilt(layer.path) is None}
     rows, read = {}, []
     if spec.upcycle.router_init in ("hidden", "kmeans"):
-        rows, read = router_rows(spec, plan, sources.base, layers, sets, experts_from, seed + 2, on_batch)
+        rows, read = router_rows(spec, plan, sources.base, layers, sets, experts_from, seed + 2, on_batch, on_skip)
     return RouterStart(experts_from, rows, describe_start(spec, read))
 
 

@@ -108,3 +108,25 @@ def test_the_output_options_are_compiles(command):
 
     for name in ("output", "max_shard_size", "force"):
         assert params(command)[name] == params("compile")[name], name
+
+
+def test_unreadable_calibration_files_are_reported_and_none_readable_is_exit_2(workspace, tmp_path):
+    folder = tmp_path / "mixed"
+    folder.mkdir()
+    (folder / "a.png").write_bytes((workspace / "images" / "a" / "0.png").read_bytes())
+    for i in range(20):
+        (folder / f"x{i:02d}.png").write_bytes(b"not a png")
+    result = invoke("prune", workspace / "moe.safetensors", "--images", folder, "--keep", "3",
+                    "-o", tmp_path / "p.safetensors")
+    assert result.exit_code == 0, result.output
+    assert f"calibration: skipped 20 of 21 files in {folder} that are not readable images (first: " \
+           f"{folder / 'x00.png'}: cannot identify image file" in result.output
+    assert "prune: on 1 images" in result.output
+    (folder / "a.png").write_bytes(b"not a png either")
+    result = invoke("prune", workspace / "moe.safetensors", "--images", folder, "--keep", "3",
+                    "-o", tmp_path / "q.safetensors")
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert result.output.strip().splitlines() == [
+        f"moespec: error: {folder}: no readable images (21 file(s) could not be read; first: {folder / 'a.png'}: "
+        f"cannot identify image file '{folder / 'a.png'}')"]
+    assert not (tmp_path / "q.safetensors").exists()

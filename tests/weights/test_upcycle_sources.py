@@ -166,3 +166,59 @@ def test_upcycle_settings_that_do_not_fit_the_layers_are_located(upcycle, field,
         moespec.load_spec(tmp_path / "s.yaml")
     problem, = err.value.problems
     assert (problem.path, problem.line, problem.message) == (field, 5, message)
+
+
+def test_cli_reports_unreadable_image_files_and_refuses_a_folder_of_none(dense_checkpoint, tmp_path):
+    from PIL import Image
+
+    (path, _) = dense_checkpoint(SMALL, name="a.safetensors")
+    folder = tmp_path / "images"
+    folder.mkdir()
+    Image.new("RGB", (40, 40), (200, 30, 0)).save(folder / "a.png")
+    for i in range(20):
+        (folder / f"x{i:02d}.png").write_bytes(b"not a png")
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(f"backbone: {SMALL}\ninput_size: {INPUT}\nmoe:\n  - {{where: {{every: 1}}, experts: 4}}\n"
+                    f"upcycle: {{router_init: kmeans}}\n")
+    runner = CliRunner()
+    args = ["upcycle", str(spec), str(path), "--images", str(folder), "-o", str(tmp_path / "out.safetensors")]
+    for check in ("--check", "--no-check"):
+        run = runner.invoke(app, [*args, check, "--force"])
+        assert run.exit_code == 0, run.output
+        assert (f"moespec: warning: upcycle: skipped 20 of 21 files in {folder} that are not readable images "
+                f"(first: {folder / 'x00.png'}: cannot identify image file") in run.output
+    (folder / "a.png").write_bytes(b"not a png either")
+    run = runner.invoke(app, [*args[:-1], str(tmp_path / "none.safetensors")])
+    assert run.exit_code == 2 and "Traceback" not in run.output
+    assert run.output.strip() == (f"moespec: error: {folder}: no readable images (21 file(s) could not be read; "
+                                  f"first: {folder / 'a.png'}: cannot identify image file '{folder / 'a.png'}')")
+    assert not (tmp_path / "none.safetensors").exists()
+
+
+def test_more_sources_than_experts_is_a_located_error_under_base_first(dense_checkpoint, tmp_path):
+    """5 sources for 4 experts by the default i mod n: source 4 would give no expert and nothing else (base:
+    first); an error naming the field and the counts, via the library and the CLI (exit 2). Sources that
+    experts_from leaves out were chosen so; under base: average source 4 goes into the base's mean, which changes
+    the weights."""
+    paths = [dense_checkpoint(SMALL, name=f"{i}.safetensors", seed=i)[0] for i in range(5)]
+    moe = [{"where": {"every": 1}, "experts": 4, "router": {"top_k": 1, "normalize": True}}]
+    with pytest.raises(SpecError) as err:
+        moespec.upcycle(spec_of(moe), paths)
+    problem, = err.value.problems
+    assert problem.path == "moe.0.experts"
+    assert problem.message.startswith("5 sources for 4 experts: expert i takes source i mod 5, so source 4 would "
+                                      "give no expert")
+    named = moespec.upcycle(spec_of(moe, experts_from=[0, 1, 1, 0]), paths[:3]).state_dict()  # chosen: fine
+    assert torch.equal(named["blocks.0.mlp.experts.fc1.weight"][3], named["blocks.0.mlp.experts.fc1.weight"][0])
+    assert len(moespec.upcycle(spec_of(moe), paths[:4]).state_dict()) > 0  # as many sources as experts: fine
+    average = moespec.upcycle(spec_of(moe, base="average"), paths).state_dict()
+    four = moespec.upcycle(spec_of(moe, base="average"), paths[:4]).state_dict()
+    assert not torch.equal(average["blocks.0.attn.qkv.weight"], four["blocks.0.attn.qkv.weight"])
+
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(f"backbone: {SMALL}\ninput_size: {INPUT}\nmoe:\n  - {{where: {{every: 1}}, experts: 4}}\n")
+    run = CliRunner().invoke(app, ["upcycle", str(spec), *map(str, paths), "-o", str(tmp_path / "out.safetensors")])
+    assert run.exit_code == 2 and "Traceback" not in run.output
+    column = spec.read_text().splitlines()[3].index("experts") + 1  # the group's `experts:` key
+    assert run.output.strip().startswith(f"moespec: error: {spec}:4:{column}: moe.0.experts: 5 sources for 4 experts: ")
+    assert "so source 4 would give no expert" in run.output and not (tmp_path / "out.safetensors").exists()
