@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,19 @@ from torch import nn
 import moespec
 
 SPECS_DIR = Path(__file__).resolve().parent.parent / "specs"
+
+
+@pytest.fixture
+def no_hang():
+    """A read that blocks (on a fifo, say) fails the test after 30 s instead of hanging the suite."""
+    def hung(*_):
+        raise AssertionError("a read blocked (a fifo waited on?)")
+
+    previous = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(30)
+    yield
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, previous)
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -53,12 +53,17 @@ def embedded_spec(where: str | Path, metadata: dict[str, str], *, label: str | N
     try:
         return load_spec(label or f"{where}[spec]", text=spec_yaml)
     except SpecError as error:
-        written = metadata.get(VERSION_KEY)
-        if isinstance(written, str) and _release(written) > _release(__version__):
-            raise MoespecError(f"{where}: written by moespec {written[:32]}, newer than this moespec {__version__}, "
-                               f"and its spec does not validate here ({error.problems[0]}); upgrade moespec: "
-                               f"pip install -U moespec") from None
-        raise
+        raise newer_writer(where, metadata.get(VERSION_KEY), error) or error from None
+
+
+def newer_writer(where: str, written: Any, error: SpecError) -> MoespecError | None:
+    """The error for a spec that does not validate because a newer moespec (`written`, the version it records)
+    wrote it: upgrade. None when it was not written by a newer moespec."""
+    if isinstance(written, str) and _release(written) > _release(__version__):
+        return MoespecError(f"{where}: written by moespec {written[:32]}, newer than this moespec {__version__}, "
+                            f"and its spec does not validate here ({error.problems[0]}); upgrade moespec: "
+                            f"pip install -U moespec")
+    return None
 
 
 def _release(version: str) -> tuple[int, ...]:

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from .._version import __version__
-from ..errors import CheckpointError, MoespecError, SpecError
+from ..errors import CheckpointError, SpecError
 from ..files import RefusedFile, hub_target, load_json, read_regular
 from .embedded import (
     HUB_ARCHITECTURE,
@@ -26,8 +26,8 @@ from .embedded import (
     SPEC_HASH_KEY,
     SPEC_KEY,
     VERSION_KEY,
-    _release,
     embedded_spec,
+    newer_writer,
     spec_with_model_args,
 )
 from .loading import HUB_CONFIG, is_hub_folder, load_spec
@@ -150,12 +150,7 @@ def carried_spec(file: str | Path, carried: dict[str, Any], kwargs: dict[str, An
                                   f"else {RESAVE}") from None
         raise
     except SpecError as error:
-        written = carried.get(VERSION_KEY)
-        if isinstance(written, str) and _release(written) > _release(__version__):
-            raise MoespecError(f"{file}: {SPEC_FIELD}: written by moespec {written[:32]}, newer than this moespec "
-                               f"{__version__}, and its spec does not validate here ({error.problems[0]}); upgrade "
-                               f"moespec: pip install -U moespec") from None
-        raise
+        raise newer_writer(f"{file}: {SPEC_FIELD}", carried.get(VERSION_KEY), error) or error from None
 
 
 def check_head(file: str | Path, config: dict[str, Any], spec: Spec) -> None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import errno
 import os
-import signal
 from pathlib import Path
 
 import pytest
@@ -30,19 +29,6 @@ def trained():
     model(torch.randn(2, 3, 32, 32)).sum().backward()
     optimizer.step()
     return model, optimizer
-
-
-@pytest.fixture
-def no_hang():
-    """A read that blocks (a fifo) fails the test in 20 s instead of hanging the suite."""
-    def hung(*_):
-        raise AssertionError("load_state blocked")
-
-    previous = signal.signal(signal.SIGALRM, hung)
-    signal.alarm(20)
-    yield
-    signal.alarm(0)
-    signal.signal(signal.SIGALRM, previous)
 
 
 def _load(folder: Path, trained) -> dict:

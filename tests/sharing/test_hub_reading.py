@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import socket
 import struct
 import tracemalloc
@@ -31,19 +30,6 @@ def saved(tmp_path):
     """A moespec Hub folder of a tiny model, and the model."""
     model = _model(tmp_path)
     return moespec.save_for_hf(model, tmp_path / "hub"), model
-
-
-@pytest.fixture
-def no_hang():
-    """A read that waits on a fifo fails the test after 30 s instead of hanging the run."""
-    def fail(*_):
-        raise AssertionError("a read of the Hub folder hung (a fifo waited on?)")
-
-    previous = signal.signal(signal.SIGALRM, fail)
-    signal.alarm(30)
-    yield
-    signal.alarm(0)
-    signal.signal(signal.SIGALRM, previous)
 
 
 def _socket(path):
