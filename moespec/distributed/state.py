@@ -50,6 +50,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from ..errors import CheckpointError, MoespecError
 from ..io import check_output
 from ..io.atomic import OWNER, dead_owner, default_mode, foreign, owner_tag, possible_pid
+from ..io.lock import output_lock
 from ..weights import check_buffers, spec_metadata
 from ..weights.checkpoint import unwrapped
 from .sharding import expert_group, expert_slices
@@ -77,6 +78,7 @@ def save_state(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimi
     on the expert axis, so that `load_state` reads it back at any world size. `extra` (step, scheduler state:
     anything JSON holds) is saved beside it, and so is the model's spec. The folder is written whole under a
     temporary name and swapped in: a save that fails or is killed leaves the previous state, or the new one.
+    Of two saves to one path at once, the one that finishes last is what the folder holds, whole.
 
     What is at `path` is replaced only when it is a training state that save_state wrote, or an empty folder;
     any other folder only with `force=True`; a file never. A symbolic link at `path` is followed only to a
@@ -157,7 +159,8 @@ def _shared_temp_folder(path: Path, writer: bool, force: bool) -> tuple[Path, Pa
         try:
             target = _state_target(path, force)
             check_output(target, force=True, folder=True)
-            _recover(target)
+            with output_lock(target):  # two saves at once never both finish what a killed one left
+                _recover(target)
             tmp = tempfile.mkdtemp(prefix=f".{target.name}.{owner_tag()}.", suffix=".tmp",
                                    dir=target.absolute().parent)
             os.chmod(tmp, default_mode(directory=True))
@@ -209,22 +212,25 @@ def _state_target(path: Path, force: bool) -> Path:
 
 def _swap_in(tmp: Path, path: Path, force: bool) -> None:
     """Rename the complete folder `tmp` to `path`, the old `path` moved aside first and removed after. Killed
-    between the renames, `path` is missing: `_recover` renames `tmp` (complete) there. What is at `path` is
-    checked again first: another process may have put something there while the state was written."""
-    _state_target(path, force)
-    moved = path.exists()
-    old = None
-    try:
-        if moved:  # an empty folder under a name nothing has, that the rename replaces
-            old = Path(tempfile.mkdtemp(prefix=f".{path.name}.old-{owner_tag()}.", dir=path.absolute().parent))
-            os.replace(path, old)
-        os.replace(tmp, path)
-    except OSError as error:
-        if old is not None and old.exists() and not path.exists():
-            os.replace(old, path)
-        raise CheckpointError(f"{path}: cannot replace the training state ({_os_reason(error)})") from None
-    if moved:
-        shutil.rmtree(old)
+    between the renames, `path` is missing: `_recover` renames `tmp` (complete) there. The output's lock is
+    held throughout (`lock.output_lock`): of two saves to one path, the second swaps its folder in after the
+    first, never between its check of `path` and its renames. What is at `path` is checked again under it:
+    another process may have put something there while the state was written."""
+    with output_lock(path):
+        _state_target(path, force)
+        moved = path.exists()
+        old = None
+        try:
+            if moved:  # an empty folder under a name nothing has, that the rename replaces
+                old = Path(tempfile.mkdtemp(prefix=f".{path.name}.old-{owner_tag()}.", dir=path.absolute().parent))
+                os.replace(path, old)
+            os.replace(tmp, path)
+        except OSError as error:
+            if old is not None and old.exists() and not path.exists():
+                os.replace(old, path)
+            raise CheckpointError(f"{path}: cannot replace the training state ({_os_reason(error)})") from None
+        if moved:
+            shutil.rmtree(old)
 
 
 def _recover(path: Path) -> None:

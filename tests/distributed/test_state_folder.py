@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import errno
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 import moespec
 import moespec.distributed as md
 from moespec.errors import CheckpointError
+from moespec.io.lock import output_lock
 
 from .ep_cases import VIT
 
@@ -75,6 +77,39 @@ def test_a_state_is_replaced_and_so_is_an_empty_folder_or_a_state_from_before_th
     (folder / "moespec_state.json").unlink()  # as save_state wrote it before the mark
     md.save_state(folder, *trained, extra={"step": 3})
     assert _load(folder, trained) == {"step": 3}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["state"]
+
+
+def test_a_save_waits_for_another_writer_of_the_same_path(tmp_path, trained, monkeypatch):
+    """Two saves to one new path at once: the second found nothing at `path`, the first then renamed its folder
+    there, and the second's rename failed "Directory not empty" (the fuzzer, tools/fuzz_writes.py, found it).
+    A save swaps its folder in under the output's lock, and checks `path` again under it."""
+    folder = tmp_path / "state"
+    md.save_state(tmp_path / "first", *trained, extra={"step": 1})  # the first writer's complete folder
+    written, go, done = threading.Event(), threading.Event(), threading.Event()
+    real_save = md.state.dcp.save
+
+    def save_then_wait(*args, **kwargs):  # the second writer, its files written, before its swap
+        real_save(*args, **kwargs)
+        written.set()
+        go.wait(60)
+
+    monkeypatch.setattr(md.state.dcp, "save", save_then_wait)
+
+    def second_save():
+        md.save_state(folder, *trained, extra={"step": 2})
+        done.set()
+
+    second = threading.Thread(target=second_save)
+    second.start()
+    assert written.wait(60)
+    with output_lock(folder):  # the first writer, between its check of `path` and its rename
+        go.set()
+        assert not done.wait(1.0), "the second save renamed its folder while the first held the output's lock"
+        os.replace(tmp_path / "first", folder)
+    second.join(60)
+    assert done.is_set()
+    assert _load(folder, trained) == {"step": 2}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["state"]
 
 
