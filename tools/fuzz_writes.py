@@ -545,9 +545,9 @@ def _fix_round(folder: Path, rng: random.Random, seconds: float) -> tuple[str, l
     path = folder / "spec.yaml"
     path.write_text(FIX_OLD)
     spec = moespec.load_spec(path).model_dump()
-    from moespec.cli import _fix_file
+    from moespec.spec.loading import fix_spec_file
 
-    pid, go = _fork(lambda: _fix_file(path), "--fix")
+    pid, go = _fork(lambda: fix_spec_file(path), "--fix")
     os.write(go, b"g")
     os.close(go)
     time.sleep(rng.uniform(0.0, 1.5 * seconds))
@@ -623,14 +623,14 @@ def main() -> None:
                 _table(summary, label, rounds, failed, outcomes, note)
         if args.fixes:
             import moespec
-            from moespec.cli import _fix_file
+            from moespec.spec.loading import fix_spec_file
 
             timing = Path(tmp) / "timing"
             timing.mkdir()
             (timing / "spec.yaml").write_text(FIX_OLD)
             moespec.load_spec(timing / "spec.yaml")
             began = time.perf_counter()
-            _fix_file(timing / "spec.yaml")
+            fix_spec_file(timing / "spec.yaml")
             seconds = time.perf_counter() - began
             shutil.rmtree(timing)
             outcomes, failed = {}, 0
